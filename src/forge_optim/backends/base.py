@@ -1,0 +1,59 @@
+"""The one interface every backend implements.
+
+A backend receives, for one fused weight in one step, the upstream gradient ``dy`` [BT, Dout],
+the layer input ``x`` [BT, Din] and an :class:`UpdateJob` describing the weight, its states and the
+rule. It must update ``job.weight`` and the states in place without ever materializing the full
+[Dout, Din] gradient (the torch backend works in row blocks, the Triton one in register tiles).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..rules.base import Rule, StateSpec
+
+
+@dataclass
+class StateView:
+    """One element-wise state of a weight, in its storage format.
+
+    ``data`` has the weight's 2-D shape: fp32 or bf16 values, or int8/uint8 codes. For int8 mode
+    ``scale`` holds one fp32 absmax scale per 64 contiguous elements of a row: [rows, ceil(cols/64)].
+    """
+
+    spec: StateSpec
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None
+
+
+@dataclass
+class UpdateJob:
+    weight: torch.Tensor  # 2-D [Dout, Din], fp32 or bf16, updated in place
+    rule: type[Rule]
+    coeffs: tuple  # the rule's coefficients padded to NUM_COEFFS floats
+    states: list[StateView] = field(default_factory=list)  # ordered by slot
+    grad_sign: float = 1.0  # -1.0 under maximize=True
+    grad_buffer: torch.Tensor | None = None  # fp32 [Dout, Din] gradient summed so far, added to this one
+    stochastic_weight: bool = False  # stochastic rounding for a bf16 weight store
+    stochastic_state: bool = False  # stochastic rounding for bf16 state stores
+    key_weight: int = 0  # hash keys (precision.stream_key), one per store site
+    key_states: tuple = (0, 0, 0)  # per slot
+    nonfinite: torch.Tensor | None = None  # int64 scalar on the weight's device: skipped coordinates, added to
+
+
+class Backend:
+    """Computes a weight's gradient tile by tile and applies ``job.rule`` to each tile."""
+
+    name = "base"
+
+    def update(self, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """buffer (fp32 [Dout, Din]) += dy^T x, without allocating another weight-sized tensor."""
+        raise NotImplementedError

@@ -1,0 +1,114 @@
+"""How fp32 register values are stored back: bf16 with stochastic or nearest rounding, int8 blocks.
+
+The integer hash here is the one the Triton kernel uses (``kernels/precision.py`` mirrors it on
+uint32), so the torch and Triton backends draw the same random bits for the same element.
+"""
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+HASH_MUL = 0x045D9F3B  # < 2**31: products of 32-bit values stay inside int64
+INT8_BLOCK = 64  # contiguous elements along the last (D_in) axis that share one fp32 scale
+SIGNED_QMAX = 127.0  # signed states (m): int8 in [-127, 127]
+UNSIGNED_QMAX = 255.0  # non-negative states (v): uint8 in [0, 255], floored to >= 1 when v > 0
+
+# Stores that draw random bits; each gets its own stream so W and m never share a draw.
+SITE_WEIGHT, SITE_STATE0 = 0, 1
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """Six-operation integer hash on int64 tensors holding uint32 values (0x45d9f3b mixer)."""
+    x = (((x >> 16) ^ x) * HASH_MUL) & MASK32
+    x = (((x >> 16) ^ x) * HASH_MUL) & MASK32
+    return (x >> 16) ^ x
+
+
+def _mix_host(x: int) -> int:
+    x &= MASK32
+    x = (((x >> 16) ^ x) * HASH_MUL) & MASK32
+    x = (((x >> 16) ^ x) * HASH_MUL) & MASK32
+    return ((x >> 16) ^ x) & MASK32
+
+
+def stream_key(seed: int, param_index: int, step: int, site: int) -> int:
+    """Per (seed, parameter, step, store site) key, < 2**31 so Triton passes it as int32."""
+    k = _mix_host(seed ^ 0x9E3779B9)
+    k = _mix_host(k ^ (param_index * 0x01000193 + 0x7F4A7C15))
+    k = _mix_host(k ^ (step * 0x000343FD + 0x269EC3))
+    k = _mix_host(k ^ (site * 0x2545F491 + 0x6A09E667))
+    return k & 0x7FFFFFFF
+
+
+def random16(offsets: torch.Tensor, key: int) -> torch.Tensor:
+    """16 random bits per element from its linear offset in the parameter."""
+    return hash32((offsets + key) & MASK32) & 0xFFFF
+
+
+def to_bf16(x: torch.Tensor, stochastic: bool, key: int = 0, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 -> bf16. Stochastic: round up with probability equal to the discarded fraction.
+
+    Adding 16 random bits to the fp32 bit pattern and truncating is unbiased for finite values
+    and leaves Inf/NaN as they are (their low bits are masked back off).
+    """
+    x = x.float()
+    if not stochastic:
+        return x.to(torch.bfloat16)
+    bits = x.view(torch.int32).to(torch.int64)
+    bits = (bits + random16(offsets, key)) & ~0xFFFF
+    return bits.to(torch.int32).view(torch.float32).to(torch.bfloat16)
+
+
+def store_float(dst: torch.Tensor, value32: torch.Tensor, stochastic: bool, key: int, offsets) -> None:
+    """Write fp32 values into a float tensor of any supported dtype."""
+    if dst.dtype == torch.bfloat16:
+        dst.copy_(to_bf16(value32, stochastic, key, offsets))
+    else:
+        dst.copy_(value32)
+
+
+def _blocked(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[R, C] -> [R, nblocks, INT8_BLOCK], zero-padded; returns the padding."""
+    rows, cols = x.shape
+    pad = (-cols) % INT8_BLOCK
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(rows, -1, INT8_BLOCK), pad
+
+
+def quantize(x32: torch.Tensor, nonnegative: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absmax-quantize a [R, C] fp32 block per 64 elements along C.
+
+    Signed states go to int8 (scale = absmax/127); non-negative ones (second moments) to uint8
+    (scale = absmax/255) and any positive value is floored to one step, so that a second moment
+    never reads back as zero under a non-zero first moment (that would blow up 1/sqrt(v)).
+    Returns (q with x32's shape, fp32 scales [R, ceil(C/64)]).
+    """
+    rows, cols = x32.shape
+    xb, pad = _blocked(x32.float())
+    absmax = xb.abs().amax(dim=-1)
+    qmax = UNSIGNED_QMAX if nonnegative else SIGNED_QMAX
+    scale = absmax / qmax
+    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
+    q = torch.round(xb * inv.unsqueeze(-1))
+    if nonnegative:
+        q = torch.where(xb > 0, q.clamp(1.0, qmax), torch.zeros_like(q))
+        q = q.to(torch.uint8)
+    else:
+        q = q.clamp(-qmax, qmax).to(torch.int8)
+    q = q.view(rows, -1)[:, :cols]
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    qb, _ = _blocked(q.float())
+    return (qb * scale.unsqueeze(-1)).view(rows, -1)[:, :cols]
+
+
+def int8_dtype(nonnegative: bool) -> torch.dtype:
+    return torch.uint8 if nonnegative else torch.int8
+
+
+def num_scale_blocks(cols: int) -> int:
+    return (cols + INT8_BLOCK - 1) // INT8_BLOCK

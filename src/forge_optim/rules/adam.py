@@ -1,0 +1,48 @@
+"""Adam with L2 (coupled) weight decay (torch.optim.Adam, decoupled_weight_decay=False)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._triton import jit, tl  # noqa: F401
+from .base import Rule, StateSpec
+
+
+class Adam(Rule):
+    name = "Adam"
+    torch_name = "Adam"
+    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, maximize=False)
+
+    @classmethod
+    def state_specs(cls, group):
+        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+
+    @staticmethod
+    def coefficients(group, state, step):
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        return (group["weight_decay"], beta1, beta2, group["eps"],
+                lr / (1 - beta1**step), math.sqrt(1 - beta2**step))
+
+    @staticmethod
+    def update(w, g, s, c):
+        wd, beta1, beta2, eps, step_size, bc2_sqrt = c[:6]
+        if wd != 0:
+            g = g + w * wd
+        m, v = s
+        m = torch.lerp(m, g, 1 - beta1)
+        v = v * beta2 + g * g * (1 - beta2)
+        denom = v.sqrt() / bc2_sqrt + eps
+        w = w - step_size * (m / denom)
+        return w, [m, v]
+
+    @staticmethod
+    @jit
+    def triton_update(w, g, s0, s1, s2, wd, beta1, beta2, eps, step_size, bc2_sqrt, c6, c7):
+        g = g + w * wd
+        s0 = s0 + (1 - beta1) * (g - s0)
+        s1 = s1 * beta2 + g * g * (1 - beta2)
+        denom = tl.sqrt(s1) / bc2_sqrt + eps
+        w = w - step_size * (s0 / denom)
+        return w, s0, s1, s2

@@ -1,0 +1,69 @@
+"""NAdam with momentum decay (torch.optim.NAdam), L2 or decoupled weight decay."""
+from __future__ import annotations
+
+import torch
+
+from .._triton import jit, tl  # noqa: F401
+from .base import Rule, StateSpec
+
+
+class NAdam(Rule):
+    name = "NAdam"
+    torch_name = "NAdam"
+    defaults = dict(lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                    decoupled_weight_decay=False, maximize=False)
+    scalar_states = {"mu_product": 1.0}
+
+    @classmethod
+    def state_specs(cls, group):
+        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+
+    @classmethod
+    def validate(cls, group):
+        super().validate(group)
+        if not group["momentum_decay"] >= 0.0:
+            raise ValueError(f"invalid momentum_decay: {group['momentum_decay']} (need >= 0)")
+
+    @staticmethod
+    def coefficients(group, state, step):
+        beta1, beta2 = group["betas"]
+        lr, wd, md = group["lr"], group["weight_decay"], group["momentum_decay"]
+        mu = beta1 * (1.0 - 0.5 * (0.96 ** (step * md)))
+        mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * md)))
+        # torch keeps mu_product as an fp32 tensor and multiplies in fp32: do the same.
+        state["mu_product"] *= mu
+        mu_product = state["mu_product"].item()
+        decoupled = 1.0 if group["decoupled_weight_decay"] else 0.0
+        return (lr * wd * decoupled, wd * (1.0 - decoupled), beta1, beta2, group["eps"],
+                1 - beta2**step,
+                -lr * (1.0 - mu) / (1.0 - mu_product),
+                -lr * mu_next / (1.0 - mu_product * mu_next))
+
+
+    @staticmethod
+    def update(w, g, s, c):
+        decay_w, l2, beta1, beta2, eps, bc2, c_grad, c_avg = c[:8]
+        if decay_w != 0:
+            w = w * (1 - decay_w)
+        if l2 != 0:
+            g = g + w * l2
+        m, v = s
+        m = torch.lerp(m, g, 1 - beta1)
+        v = v * beta2 + g * g * (1 - beta2)
+        denom = (v / bc2).sqrt() + eps
+        w = w + c_grad * (g / denom)
+        w = w + c_avg * (m / denom)
+        return w, [m, v]
+
+    @staticmethod
+    @jit
+    def triton_update(w, g, s0, s1, s2, decay_w, l2, beta1, beta2, eps, bc2, c_grad, c_avg):
+        w = w * (1 - decay_w)
+        g = g + w * l2
+        s0 = s0 + (1 - beta1) * (g - s0)
+        s1 = s1 * beta2 + g * g * (1 - beta2)
+        denom = tl.sqrt(s1 / bc2) + eps
+        w = w + c_grad * (g / denom)
+        w = w + c_avg * (s0 / denom)
+        return w, s0, s1, s2
+

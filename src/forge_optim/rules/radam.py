@@ -1,0 +1,66 @@
+"""RAdam: Adam with a variance-rectification term (torch.optim.RAdam)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._triton import jit, tl  # noqa: F401
+from .base import Rule, StateSpec
+
+
+class RAdam(Rule):
+    name = "RAdam"
+    torch_name = "RAdam"
+    defaults = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, decoupled_weight_decay=False,
+                    maximize=False)
+
+    @classmethod
+    def state_specs(cls, group):
+        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+
+    @staticmethod
+    def coefficients(group, state, step):
+        beta1, beta2 = group["betas"]
+        lr, wd = group["lr"], group["weight_decay"]
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
+        if rho_t > 5.0:
+            rect = math.sqrt((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t))
+            adaptive = 1.0
+        else:
+            rect, adaptive = 0.0, 0.0
+        decoupled = 1.0 if group["decoupled_weight_decay"] else 0.0
+        return (lr * wd * decoupled, wd * (1.0 - decoupled), beta1, beta2, group["eps"],
+                lr / bias_correction1, rect * math.sqrt(bias_correction2), adaptive)
+
+    @staticmethod
+    def update(w, g, s, c):
+        decay_w, l2, beta1, beta2, eps, lr_bc1, rect_sqrt_bc2, adaptive = c[:8]
+        if decay_w != 0:
+            w = w * (1 - decay_w)
+        if l2 != 0:
+            g = g + w * l2
+        m, v = s
+        m = torch.lerp(m, g, 1 - beta1)
+        v = v * beta2 + g * g * (1 - beta2)
+        if adaptive:  # rectified: lr/bc1 * m * rect * sqrt(bc2) / (sqrt(v) + eps)
+            w = w - (m * lr_bc1) * (rect_sqrt_bc2 / (v.sqrt() + eps))
+        else:  # variance not yet tractable: un-adapted momentum step
+            w = w - m * lr_bc1
+        return w, [m, v]
+
+    @staticmethod
+    @jit
+    def triton_update(w, g, s0, s1, s2, decay_w, l2, beta1, beta2, eps, lr_bc1, rect_sqrt_bc2, adaptive):
+        w = w * (1 - decay_w)
+        g = g + w * l2
+        s0 = s0 + (1 - beta1) * (g - s0)
+        s1 = s1 * beta2 + g * g * (1 - beta2)
+        if adaptive != 0:
+            w = w - (s0 * lr_bc1) * (rect_sqrt_bc2 / (tl.sqrt(s1) + eps))
+        else:
+            w = w - s0 * lr_bc1
+        return w, s0, s1, s2
