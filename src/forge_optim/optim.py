@@ -1,0 +1,548 @@
+"""The torch.optim.Optimizer front end.
+
+``forge_optim.AdamW(model, lr=...)`` patches the model's single-consumer nn.Linear layers so that
+their weights are updated inside backward, tile by tile, and keeps torch.optim's behaviour for
+everything else: ``opt.step()`` steps the parameters that were not fused (embeddings, norms,
+biases, tied or shared weights) with the same rule, LR schedulers edit ``param_groups`` as usual
+(the fused update reads them at backward time), and ``state_dict()`` uses torch.optim's layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from . import patch, precision
+from .autograd import Use
+from .backends import BACKEND_NAMES, StateView, TorchBackend, UpdateJob, apply_update, make_backend, triton_available
+from .rules import Rule
+from .rules import base as rule_base
+
+STATE_DTYPES = ("fp32", "bf16", "int8")
+_TORCH_ONLY_FLAGS = dict(foreach=None, fused=None, capturable=False, differentiable=False)
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.view(1, 1)
+    return t.view(-1, t.shape[-1])
+
+
+class FusedWeight:
+    """Links one fused weight to its optimizer: counts pending uses, buffers, updates."""
+
+    def __init__(self, optimizer: "ForgeOptimizer", module_name: str, param: nn.Parameter):
+        self._opt = weakref.ref(optimizer)
+        self.name = module_name
+        self.param = param
+        self.pending_fwd = 0  # forward uses (outside backward) whose backward has not run yet
+        self.pending_rec = 0  # uses first seen inside backward (reentrant checkpoint recompute)
+        self.buffer: torch.Tensor | None = None  # fp32 gradient summed over uses / micro-steps
+        self.nonfinite: torch.Tensor | None = None
+        self._raised_at = 0
+        self.attached = True
+
+    # A copied or pickled model carries no link to this optimizer: its module runs unfused.
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    @property
+    def optimizer(self) -> "ForgeOptimizer":
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError(f"the forge_optim optimizer of '{self.name}' was deleted; call unpatch() "
+                               "on the model or keep the optimizer alive")
+        return opt
+
+    def describe(self) -> str:
+        opt = self._opt()
+        if opt is None:
+            return "None (optimizer deleted)"
+        return f"{opt.rule.name}(state={opt.state_dtype_of(self.param)}, backend={opt.backend_name})"
+
+    def detach(self) -> None:
+        self.attached = False
+
+    def new_use(self) -> Use:
+        if torch._C._current_graph_task_id() == -1:
+            kind = "fwd"
+            self.pending_fwd += 1
+        elif self.pending_fwd == 0:
+            kind = "rec"  # recomputed inside backward with no pending forward: its backward will run
+            self.pending_rec += 1
+        else:
+            kind = None  # non-reentrant checkpoint recompute: the original forward is counted
+        return Use(self, kind)
+
+    def release(self, kind: str) -> None:
+        if kind == "fwd":
+            self.pending_fwd = max(0, self.pending_fwd - 1)
+        elif kind == "rec":
+            self.pending_rec = max(0, self.pending_rec - 1)
+
+    @torch.no_grad()
+    def consume(self, dy: torch.Tensor, x: torch.Tensor, use: Use | None) -> None:
+        """Called from backward with this use's dY [BT, Dout] and X [BT, Din]."""
+        if use is not None and not use.done:
+            use.done = True
+            self.release(use.kind)
+        opt = self.optimizer
+        if not self.attached:
+            raise RuntimeError(f"'{self.name}' was unpatched while a forward through it was pending")
+        if opt._accumulating or self.pending_fwd or self.pending_rec:
+            # Another use of this weight still needs the old W, or we are inside accumulate():
+            # add this gradient to the fp32 buffer and update after the last use.
+            if self.buffer is None:
+                self.buffer = torch.zeros(self.param.shape, dtype=torch.float32, device=self.param.device)
+            opt._backend_for(self.param).accumulate(self.buffer, dy, x)
+            return
+        opt._fused_update(self, dy, x)
+
+
+class ForgeOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses set ``rule`` and spell out torch.optim's hyper-parameters."""
+
+    rule: type[Rule]
+
+    def __init__(self, model: nn.Module, defaults: dict, *, params=None, state_dtype: str | None = None,
+                 stochastic_rounding: bool | None = None, backend: str = "auto", exclude=(),
+                 nonfinite: str = "skip", block_rows: int = 256, seed: int = 0, **torch_flags):
+        name = type(self).__name__
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"forge_optim.{name} takes the model first (it patches the model's nn.Linear "
+                            f"layers), got {type(model).__name__}; pass param groups as params=[...]")
+        patch.check_not_data_parallel(model)
+        for key, value in torch_flags.items():
+            if key not in _TORCH_ONLY_FLAGS:
+                valid = sorted(list(defaults) + ["params", "state_dtype", "stochastic_rounding", "backend",
+                                                 "exclude", "nonfinite", "block_rows", "seed"])
+                raise TypeError(f"forge_optim.{name}: unknown option {key!r}; valid options: {', '.join(valid)}")
+            if key in ("capturable", "differentiable") and value:
+                raise ValueError(f"forge_optim.{name}: {key}=True is not supported")
+        if state_dtype is not None and state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES} or None (the parameter's dtype), "
+                             f"got {state_dtype!r}")
+        if backend not in BACKEND_NAMES:
+            raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
+        if backend == "triton":
+            ok, why = triton_available()
+            if not ok:
+                raise RuntimeError(f"backend='triton' cannot run: {why}")
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+        if int(block_rows) < 1:
+            raise ValueError(f"block_rows must be >= 1, got {block_rows}")
+
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = True if stochastic_rounding is None else bool(stochastic_rounding)
+        self.backend_name = backend
+        self.nonfinite_mode = nonfinite
+        self.block_rows = int(block_rows)
+        self.seed = int(seed)
+        self._accumulating = 0
+        self._backends: dict[Any, Any] = {}
+        self._model_ref = weakref.ref(model)
+
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        defaults = dict(defaults, **{k: v for k, v in _TORCH_ONLY_FLAGS.items() if k in ("foreach", "fused")})
+        super().__init__(params, defaults)
+
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(
+                        f"parameter '{names.get(id(p), '?')}' is {p.dtype}: forge_optim supports float32 and "
+                        "bfloat16 weights (fp16 needs loss scaling, which an in-backward update cannot undo); "
+                        "cast the model with model.to(torch.bfloat16) or keep it in float32")
+        self._param_names = names
+        trained = {id(p) for g in self.param_groups for p in g["params"]}
+        fuse, skip = patch.plan_fusion(model, trained, exclude)
+        self._unfused = skip
+        self._handles: dict[str, FusedWeight] = {}
+        for mname, mod in fuse.items():
+            handle = FusedWeight(self, mname, mod.weight)
+            patch.attach(mod, handle)
+            self._handles[mname] = handle
+        self._fused_ids = {id(h.param): h for h in self._handles.values()}
+
+    # ----- groups -------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.rule.validate(self.param_groups[-1])
+        if self.param_groups[-1].get("amsgrad", False):
+            raise ValueError("amsgrad=True is not supported by forge_optim")
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return group
+        raise KeyError("parameter is not in this optimizer")
+
+    def _index_of(self, p: torch.Tensor) -> int:
+        i = 0
+        for group in self.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return i
+                i += 1
+        raise KeyError("parameter is not in this optimizer")
+
+    # ----- what is fused ------------------------------------------------------------------------
+    def fused_modules(self) -> dict[str, nn.Module]:
+        """{module name: module} for every linear whose weight is updated inside backward."""
+        model = self._model_ref()
+        mods = dict(model.named_modules()) if model is not None else {}
+        return {n: mods[n] for n in self._handles if n in mods}
+
+    def unfused_linears(self) -> dict[str, str]:
+        """{module name: why it is not fused} for every nn.Linear left to opt.step()."""
+        return dict(self._unfused)
+
+    def unpatch(self) -> None:
+        """Restore plain nn.Linear modules; their weights are then stepped by opt.step()."""
+        model = self._model_ref()
+        if model is not None:
+            for mod in model.modules():
+                if isinstance(mod, patch.ForgeLinear) and mod._forge_handle in self._handles.values():
+                    patch.detach(mod)
+        for h in self._handles.values():
+            h.detach()
+        self._handles = {}
+        self._fused_ids = {}
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        """{name: coordinates skipped so far because their gradient was NaN or Inf} (non-zero only)."""
+        out = {}
+        for p, st in self.state.items():
+            c = st.get("_nonfinite")
+            if c is not None and int(c) > 0:
+                h = self._fused_ids.get(id(p))
+                out[h.name + ".weight" if h else self._param_names.get(id(p), "?")] = int(c)
+        return out
+
+    def state_dtype_of(self, p: torch.Tensor) -> str:
+        if self.state_dtype is not None:
+            return self.state_dtype
+        return "bf16" if p.dtype == torch.bfloat16 else "fp32"
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """Gradient accumulation: inside, fused layers add their gradient to an fp32 buffer; the first
+        backward outside (or ``step()``) applies the update with the summed gradient."""
+        self._accumulating += 1
+        try:
+            yield self
+        finally:
+            self._accumulating -= 1
+
+    # ----- state --------------------------------------------------------------------------------
+    def _backend_for(self, p: torch.Tensor):
+        key = p.device
+        if key not in self._backends:
+            self._backends[key] = make_backend(self.backend_name, p.device, self.block_rows)
+        return self._backends[key]
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            for key, init in self.rule.scalar_states.items():
+                state[key] = torch.tensor(init, dtype=torch.float32)
+        mode = self.state_dtype_of(p)
+        for spec in self.rule.state_specs(group):
+            if spec.name not in state:
+                value = float(group[spec.init]) if spec.init else 0.0
+                self._set_state(p, state, spec, torch.full(p.shape, value, dtype=torch.float32, device=p.device), mode)
+        if "_nonfinite" not in state:
+            state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=p.device)
+        return state
+
+    @staticmethod
+    def _set_state(p, state: dict, spec, value: torch.Tensor, mode: str, quantized=None) -> None:
+        """Store an fp32 value of the parameter's shape in this optimizer's storage format."""
+        value = value.to(device=p.device)
+        if mode == "int8":
+            if quantized is not None:
+                q, scale = quantized
+            else:
+                q, scale = precision.quantize(_as_2d(value.float()), spec.nonnegative)
+            state[spec.name] = q.reshape(p.shape).to(p.device).contiguous()
+            state[spec.name + "_scale"] = scale.to(device=p.device, dtype=torch.float32).contiguous()
+        elif mode == "bf16":
+            state[spec.name] = value.to(torch.bfloat16).reshape(p.shape).contiguous()
+        else:
+            state[spec.name] = value.float().reshape(p.shape).contiguous()
+
+    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict) -> UpdateJob:
+        state["step"] += 1
+        step = int(state["step"].item())
+        coeffs = self.rule.padded(self.rule.coefficients(group, state, step))
+        idx = self._index_of(p)
+        views = []
+        keys = [0] * rule_base.NUM_SLOTS
+        for spec in self.rule.state_specs(group):
+            data = state[spec.name]
+            scale = state.get(spec.name + "_scale") if data.dtype in (torch.int8, torch.uint8) else None
+            views.append(StateView(spec, _as_2d(data), scale))
+            keys[spec.slot] = precision.stream_key(self.seed, idx, step, precision.SITE_STATE0 + spec.slot)
+        return UpdateJob(
+            weight=weight2d, rule=self.rule, coeffs=coeffs, states=views,
+            grad_sign=-1.0 if group.get("maximize", False) else 1.0,
+            stochastic_weight=self.stochastic_rounding, stochastic_state=self.stochastic_rounding,
+            key_weight=precision.stream_key(self.seed, idx, step, precision.SITE_WEIGHT),
+            key_states=tuple(keys), nonfinite=state["_nonfinite"])
+
+    # ----- updates ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _fused_update(self, handle: FusedWeight, dy: torch.Tensor, x: torch.Tensor) -> None:
+        p = handle.param
+        group = self._group_of(p)
+        state = self._init_state(p, group)
+        job = self._job(p, p.detach(), group, state)
+        job.grad_buffer, handle.buffer = handle.buffer, None
+        before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
+        self._backend_for(p).update(job, dy, x)
+        # Triton stores do not bump the version counter: make any stale use of the old W raise.
+        torch.autograd.graph.increment_version(p)
+        if self.nonfinite_mode == "raise":
+            bad = int(state["_nonfinite"]) - before
+            if bad:
+                self._raise_after_backward(f"{handle.name}.weight", bad)
+
+    @staticmethod
+    def _raise_after_backward(name: str, count: int) -> None:
+        def _raise():
+            raise FloatingPointError(
+                f"non-finite gradient in '{name}': {count} coordinates were NaN or Inf; their weights and "
+                "optimizer states were left unchanged (nonfinite='raise'; use nonfinite='skip' to only count)")
+
+        torch.autograd.Variable._execution_engine.queue_callback(_raise)
+
+    @torch.no_grad()
+    def _apply_from_grad(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> None:
+        state = self._init_state(p, group)
+        w = p.detach()
+        contiguous = w.is_contiguous()
+        w2d = _as_2d(w if contiguous else w.contiguous())
+        job = self._job(p, w2d, group, state)
+        g2d = _as_2d(grad.float().contiguous())
+        before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
+        rows = w2d.shape[0]
+        for r0 in range(0, rows, self.block_rows):
+            r1 = min(rows, r0 + self.block_rows)
+            apply_update(job, g2d[r0:r1], r0, r1)
+        if not contiguous:
+            w.copy_(w2d.view_as(w))
+        if self.nonfinite_mode == "raise" and int(state["_nonfinite"]) - before:
+            raise FloatingPointError(
+                f"non-finite gradient in '{self._param_names.get(id(p), '?')}': weights and states of those "
+                "coordinates were left unchanged (nonfinite='raise')")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step the parameters that were not fused; fused weights were updated during backward."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                h = self._fused_ids.get(id(p))
+                if h is not None:
+                    if p.grad is not None:
+                        raise RuntimeError(
+                            f"fused weight '{h.name}.weight' received a gradient from outside its module: "
+                            "another consumer used it (e.g. a functional call on the weight), so its in-backward "
+                            f"update may have run before that use. Exclude it: exclude=['{h.name}']")
+                    if h.buffer is not None and not self._accumulating:
+                        # accumulate() was used for every micro-step: apply the summed gradient now.
+                        buf, h.buffer = h.buffer, None
+                        self._apply_from_grad(p, group, buf)
+                    continue
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("forge_optim does not support sparse gradients")
+                self._apply_from_grad(p, group, p.grad)
+        return loss
+
+    # ----- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """torch.optim's layout; int8 states are exported dequantized (fp32) under torch's key, with
+        the exact quantized form kept beside them as ``<key>_q`` and ``<key>_scale``."""
+        sd = super().state_dict()
+        out = {}
+        for idx, st in sd["state"].items():
+            st = dict(st)
+            st.pop("_nonfinite", None)
+            for key in list(st):
+                v = st[key]
+                if isinstance(v, torch.Tensor) and v.dtype in (torch.int8, torch.uint8) and key + "_scale" in st:
+                    st[key + "_q"] = v
+                    st[key] = precision.dequantize(_as_2d(v), st[key + "_scale"]).reshape(v.shape)
+            out[idx] = st
+        sd["state"] = out
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict of this class or of the torch.optim optimizer with the same rule."""
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
+                             f"{len(groups)}")
+        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict has parameter groups of different sizes than this optimizer")
+        id_map = {}
+        for g, s in zip(groups, saved_groups):
+            id_map.update(zip(s["params"], g["params"]))
+        new_groups = []
+        for g, s in zip(groups, saved_groups):
+            ng = dict(g)
+            ng.update({k: v for k, v in s.items() if k != "params"})
+            ng["params"] = g["params"]
+            self.rule.validate(ng)
+            new_groups.append(ng)
+        self.param_groups = new_groups
+        new_state = defaultdict(dict)
+        for k, saved in state_dict["state"].items():
+            p = id_map[k]
+            new_state[p] = self._import_state(p, self._group_of(p), saved)
+        self.state = new_state
+
+    def _import_state(self, p, group, saved: dict) -> dict:
+        state: dict = {}
+        if "step" in saved:
+            state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
+        for key, init in self.rule.scalar_states.items():
+            state[key] = torch.tensor(float(saved.get(key, init)), dtype=torch.float32)
+        mode = self.state_dtype_of(p)
+        for spec in self.rule.state_specs(group):
+            value = saved.get(spec.name)
+            if value is None:
+                continue
+            q, scale = saved.get(spec.name + "_q"), saved.get(spec.name + "_scale")
+            quantized = None
+            if mode == "int8" and q is not None and scale is not None and q.shape == p.shape:
+                quantized = (q, scale)
+            self._set_state(p, state, spec, value.detach().float(), mode, quantized)
+        if "step" not in state:
+            # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken.
+            state["step"] = torch.tensor(1.0 if state else 0.0, dtype=torch.float32)
+        state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=p.device)
+        return state
+
+
+# ----- the optimizers users construct: torch.optim's names and defaults after the model ---------------
+from . import rules as _rules  # noqa: E402
+
+
+def _no_amsgrad(amsgrad: bool) -> None:
+    if amsgrad:
+        raise ValueError("amsgrad=True is not supported by forge_optim (use torch.optim for AMSGrad)")
+
+
+class AdamW(ForgeOptimizer):
+    """AdamW (torch.optim.AdamW) with fused in-backward updates of the model's linear weights."""
+
+    rule = _rules.AdamW
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, **options):
+        _no_amsgrad(amsgrad)
+        super().__init__(model, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                                     maximize=maximize), **options)
+
+
+class Adam(ForgeOptimizer):
+    """Adam with L2 weight decay (torch.optim.Adam); decoupled_weight_decay=True makes it AdamW."""
+
+    rule = _rules.Adam
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, decoupled_weight_decay=False, **options):
+        _no_amsgrad(amsgrad)
+        if decoupled_weight_decay:
+            self.rule = _rules.AdamW
+        super().__init__(model, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
+                                     maximize=maximize, decoupled_weight_decay=bool(decoupled_weight_decay)),
+                         **options)
+
+
+class NAdam(ForgeOptimizer):
+    """NAdam (torch.optim.NAdam)."""
+
+    rule = _rules.NAdam
+
+    def __init__(self, model, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, *, maximize=False, **options):
+        super().__init__(model, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                     momentum_decay=momentum_decay, decoupled_weight_decay=decoupled_weight_decay,
+                                     maximize=maximize), **options)
+
+
+class RAdam(ForgeOptimizer):
+    """RAdam (torch.optim.RAdam)."""
+
+    rule = _rules.RAdam
+
+    def __init__(self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 decoupled_weight_decay=False, *, maximize=False, **options):
+        super().__init__(model, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                     decoupled_weight_decay=decoupled_weight_decay, maximize=maximize), **options)
+
+
+class Lion(ForgeOptimizer):
+    """Lion (Chen et al., 2023) with decoupled weight decay; torch.optim has no Lion."""
+
+    rule = _rules.Lion
+
+    def __init__(self, model, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, **options):
+        super().__init__(model, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize), **options)
+
+
+class RMSprop(ForgeOptimizer):
+    """RMSprop (torch.optim.RMSprop), optionally centered and with momentum."""
+
+    rule = _rules.RMSprop
+
+    def __init__(self, model, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False, *,
+                 maximize=False, **options):
+        super().__init__(model, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                     centered=centered, maximize=maximize), **options)
+
+
+class Adagrad(ForgeOptimizer):
+    """Adagrad (torch.optim.Adagrad)."""
+
+    rule = _rules.Adagrad
+
+    def __init__(self, model, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
+                 *, maximize=False, **options):
+        super().__init__(model, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                                     initial_accumulator_value=initial_accumulator_value, eps=eps,
+                                     maximize=maximize), **options)
+
+
+class SGD(ForgeOptimizer):
+    """SGD with momentum, dampening and Nesterov (torch.optim.SGD)."""
+
+    rule = _rules.SGD
+
+    def __init__(self, model, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, **options):
+        super().__init__(model, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                     nesterov=nesterov, maximize=maximize), **options)
+
+
+OPTIMIZERS = {cls.__name__: cls for cls in (AdamW, Adam, NAdam, RAdam, Lion, RMSprop, Adagrad, SGD)}

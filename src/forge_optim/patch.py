@@ -1,0 +1,120 @@
+"""Which modules are fused, and why the others are not.
+
+A ``nn.Linear`` is fused when its weight is trained by the optimizer and has a single consumer.
+Fusing swaps the module's class to :class:`ForgeLinear` (a ``nn.Linear`` subclass: parameters,
+state_dict keys, hooks and ``isinstance`` are unchanged); un-fusing swaps it back.
+"""
+from __future__ import annotations
+
+import fnmatch
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .autograd import fused_linear
+
+
+class ForgeLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight is updated inside backward by a forge_optim optimizer."""
+
+    _forge_handle = None
+
+    def forward(self, x):
+        h = self._forge_handle
+        if h is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        return fused_linear(x, self.weight, self.bias, h)
+
+    def extra_repr(self) -> str:
+        h = self._forge_handle
+        fused = f", fused={h.describe()}" if h is not None else ", fused=None (detached)"
+        return super().extra_repr() + fused
+
+
+def check_not_data_parallel(model: nn.Module) -> None:
+    """Refuse data-parallel wrappers: each rank would update with its partial gradient."""
+    why = ("forge_optim updates each fused weight inside backward, before data-parallel gradient "
+           "reduction, so every rank would apply a different update from its partial gradient "
+           "(AdamW is non-linear in the gradient; the result would not be the optimizer's step). "
+           "Data parallelism is not supported: train on one GPU, use tensor/sequence parallelism "
+           "(the weight is sharded, so each rank's gradient is exact), or use "
+           "torch.optim.AdamW(fused=True) for data-parallel training.")
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise ValueError(f"model is wrapped in {type(model).__name__}: {why}")
+    fsdp_types = []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        fsdp_types.append(FullyShardedDataParallel)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_types.append(FSDPModule)
+    except ImportError:  # pragma: no cover
+        pass
+    for name, mod in model.named_modules():
+        if fsdp_types and isinstance(mod, tuple(fsdp_types)):
+            raise ValueError(f"module '{name or type(model).__name__}' is sharded by FSDP: {why}")
+
+
+def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dict]:
+    """Returns ({name: linear to fuse}, {name: reason it is not fused}) for every nn.Linear."""
+    owners: dict[int, set[int]] = defaultdict(set)
+    for mod in model.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                owners[id(p)].add(id(mod))
+    patterns = [exclude] if isinstance(exclude, str) else list(exclude or ())
+    fuse, skip = {}, {}
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if type(mod) not in (nn.Linear, ForgeLinear):
+            skip[name] = f"{type(mod).__name__} is a subclass of nn.Linear with its own forward"
+        elif isinstance(mod, ForgeLinear) and mod._forge_handle is not None:
+            raise ValueError(f"module '{name}' is already fused by another forge_optim optimizer; "
+                             "call that optimizer's unpatch() first")
+        elif any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+            skip[name] = "excluded by the exclude= patterns"
+        elif not mod.weight.requires_grad:
+            skip[name] = "frozen (weight.requires_grad is False)"
+        elif id(mod.weight) not in trained:
+            skip[name] = "weight is not in the optimizer's params"
+        elif len(owners[id(mod.weight)]) > 1:
+            skip[name] = (f"weight is shared by {len(owners[id(mod.weight)])} modules (tied); "
+                          "it is stepped by opt.step() after its gradient is complete")
+        elif mod.weight.dim() != 2 or mod.weight.is_sparse:
+            skip[name] = "weight is not a dense 2-D tensor"
+        else:
+            fuse[name] = mod
+    return fuse, skip
+
+
+def attach(mod: nn.Linear, handle) -> None:
+    mod.__class__ = ForgeLinear
+    mod._forge_handle = handle
+
+
+def detach(mod: nn.Module) -> None:
+    if isinstance(mod, ForgeLinear):
+        mod.__dict__.pop("_forge_handle", None)
+        mod.__class__ = nn.Linear
+
+
+def unpatch(model: nn.Module) -> int:
+    """Turn every ForgeLinear of ``model`` back into a plain nn.Linear; returns how many."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, ForgeLinear):
+            h = mod._forge_handle
+            if h is not None:
+                h.detach()
+            detach(mod)
+            n += 1
+    return n
