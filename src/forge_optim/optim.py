@@ -37,7 +37,8 @@ class FusedWeight:
     """Links one fused weight to its optimizer: counts pending uses, buffers, updates."""
 
     def __init__(self, optimizer: "ForgeOptimizer", module_name: str, param: nn.Parameter):
-        self._opt = weakref.ref(optimizer)
+        # Strong: a patched model keeps its optimizer (and the states it updates) alive.
+        self._opt = optimizer
         self.name = module_name
         self.param = param
         self.pending_fwd = 0  # forward uses (outside backward) whose backward has not run yet
@@ -56,16 +57,10 @@ class FusedWeight:
 
     @property
     def optimizer(self) -> "ForgeOptimizer":
-        opt = self._opt()
-        if opt is None:
-            raise RuntimeError(f"the forge_optim optimizer of '{self.name}' was deleted; call unpatch() "
-                               "on the model or keep the optimizer alive")
-        return opt
+        return self._opt
 
     def describe(self) -> str:
-        opt = self._opt()
-        if opt is None:
-            return "None (optimizer deleted)"
+        opt = self._opt
         return f"{opt.rule.name}(state={opt.state_dtype_of(self.param)}, backend={opt.backend_name})"
 
     def detach(self) -> None:

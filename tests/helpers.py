@@ -1,0 +1,80 @@
+"""Shared test models and the (forge optimizer, torch.optim reference) pairs."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import forge_optim
+
+from reference_optimizers import ReferenceLion
+
+# (forge class name, kwargs, reference factory); kwargs include every knob the test varies.
+CASES = {
+    "AdamW": (dict(lr=1e-2, weight_decay=0.1), lambda ps, **kw: torch.optim.AdamW(ps, foreach=False, **kw)),
+    "Adam": (dict(lr=1e-2, weight_decay=0.1), lambda ps, **kw: torch.optim.Adam(ps, foreach=False, **kw)),
+    "NAdam": (dict(lr=1e-2, weight_decay=0.1), lambda ps, **kw: torch.optim.NAdam(ps, foreach=False, **kw)),
+    "NAdam-decoupled": (dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+                        lambda ps, **kw: torch.optim.NAdam(ps, foreach=False, **kw)),
+    "RAdam": (dict(lr=1e-2, weight_decay=0.1), lambda ps, **kw: torch.optim.RAdam(ps, foreach=False, **kw)),
+    "RAdam-decoupled": (dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+                        lambda ps, **kw: torch.optim.RAdam(ps, foreach=False, **kw)),
+    "Lion": (dict(lr=1e-3, weight_decay=0.1), lambda ps, **kw: ReferenceLion(ps, **kw)),
+    "RMSprop": (dict(lr=1e-3, weight_decay=0.1), lambda ps, **kw: torch.optim.RMSprop(ps, foreach=False, **kw)),
+    "RMSprop-centered-momentum": (dict(lr=1e-3, weight_decay=0.1, momentum=0.9, centered=True),
+                                  lambda ps, **kw: torch.optim.RMSprop(ps, foreach=False, **kw)),
+    "Adagrad": (dict(lr=1e-2, weight_decay=0.1, lr_decay=0.01, initial_accumulator_value=0.1),
+                lambda ps, **kw: torch.optim.Adagrad(ps, foreach=False, **kw)),
+    "SGD": (dict(lr=1e-2, weight_decay=0.1), lambda ps, **kw: torch.optim.SGD(ps, foreach=False, **kw)),
+    "SGD-momentum": (dict(lr=1e-2, weight_decay=0.1, momentum=0.9, dampening=0.1),
+                     lambda ps, **kw: torch.optim.SGD(ps, foreach=False, **kw)),
+    "SGD-nesterov": (dict(lr=1e-2, weight_decay=0.1, momentum=0.9, nesterov=True),
+                     lambda ps, **kw: torch.optim.SGD(ps, foreach=False, **kw)),
+}
+
+
+def forge_class(case: str):
+    return getattr(forge_optim, case.split("-")[0])
+
+
+class TinyNet(nn.Module):
+    """Embedding -> Linear -> norm -> Linear(no bias) -> head: fused and unfused parameters."""
+
+    def __init__(self, vocab=11, d=24, hidden=40):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.up = nn.Linear(d, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.down(torch.tanh(self.norm(self.up(h))))
+        return self.head(h)
+
+
+def batches(n, seed=1, vocab=11, bs=3, seq=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab, (bs, seq), generator=g), torch.randint(0, vocab, (bs, seq), generator=g))
+            for _ in range(n)]
+
+
+def loss_fn(model, batch):
+    idx, tgt = batch
+    logits = model(idx)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def twin(seed=0, factory=TinyNet, **kw):
+    torch.manual_seed(seed)
+    a = factory(**kw)
+    return a, copy.deepcopy(a)
+
+
+def rel_diff(a: nn.Module, b: nn.Module) -> float:
+    worst = 0.0
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        worst = max(worst, ((p.float() - q.float()).abs().max() / q.float().abs().max().clamp_min(1e-30)).item())
+    return worst

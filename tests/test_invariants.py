@@ -1,0 +1,233 @@
+"""DESIGN.md invariants 1-5 and the promise that no weight-sized gradient is ever allocated."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import forge_optim
+from helpers import TinyNet, batches, loss_fn, rel_diff, twin
+
+TOL = 1e-5
+
+
+def step_both(model, ref_model, opt, ref, n=4, loss=loss_fn):
+    for batch in batches(n):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss(m, batch).backward()
+            o.step()
+            o.zero_grad()
+
+
+def test_weight_updated_when_backward_returns_and_grad_stays_none():
+    model, _ = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    before = {n: m.weight.detach().clone() for n, m in opt.fused_modules().items()}
+    loss_fn(model, batches(1)[0]).backward()
+    for name, mod in opt.fused_modules().items():
+        assert mod.weight.grad is None, name
+        assert not torch.equal(mod.weight, before[name]), f"{name} not updated inside backward"
+    assert model.emb.weight.grad is not None  # unfused parameters keep torch's behaviour
+
+
+def test_dx_uses_the_weight_from_before_the_update():
+    lin = nn.Linear(7, 5)
+    w_old = lin.weight.detach().clone()
+    forge_optim.SGD(lin, lr=0.5)
+    x = torch.randn(3, 7, requires_grad=True)
+    dy = torch.randn(3, 5)
+    lin(x).backward(dy)
+    torch.testing.assert_close(x.grad, dy @ w_old, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lin.weight.detach(), w_old - 0.5 * dy.t() @ x.detach(), rtol=0, atol=1e-6)
+
+
+class _AllocRecorder(TorchDispatchMode):
+    """Records the size of every tensor an op allocates (outputs that alias no input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                self.sizes.append((t.numel(), str(func)))
+        return out
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_no_weight_sized_gradient_is_allocated(state_dtype):
+    dout, din, block = 96, 80, 16
+    lin = nn.Linear(din, dout, bias=False)
+    opt = forge_optim.AdamW(lin, lr=1e-3, block_rows=block, state_dtype=state_dtype)
+    x = torch.randn(4, din)  # activations far smaller than the weight
+    loss_fn_ = lambda: lin(x).square().sum()
+    loss_fn_().backward()  # first step allocates the states (weight-sized by design)
+    rec = _AllocRecorder()
+    loss = loss_fn_()
+    with rec:
+        loss.backward()
+    biggest = max(rec.sizes)
+    padded_din = -(-din // 64) * 64  # int8 scales cover whole 64-element blocks
+    assert biggest[0] <= block * padded_din, f"allocated {biggest} during backward; weight is {dout * din}"
+    assert opt.state[lin.weight]["step"] == 2
+
+
+def test_tied_weights_are_stepped_after_both_uses():
+    class Tied(TinyNet):
+        def __init__(self):
+            super().__init__(d=24)
+            self.head = nn.Linear(24, 11, bias=False)
+            self.head.weight = self.emb.weight
+
+    model, ref_model = twin(factory=Tied)
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert "head" not in opt.fused_modules() and "tied" in opt.unfused_linears()["head"]
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_parameter_shared_by_two_modules():
+    class Shared(TinyNet):
+        def __init__(self):
+            super().__init__()
+            self.down2 = nn.Linear(40, 24, bias=False)
+            self.down2.weight = self.down.weight
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            u = torch.tanh(self.norm(self.up(h)))
+            return self.head(h + self.down(u) + self.down2(u * u))
+
+    model, ref_model = twin(factory=Shared)
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert "down" not in opt.fused_modules() and "down2" not in opt.fused_modules()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+class CalledTwice(TinyNet):
+    def __init__(self):
+        super().__init__(d=24, hidden=24)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.down(torch.tanh(self.up(h)))
+        h = h + self.down(torch.tanh(self.up(h)))  # same modules, second call in one forward
+        return self.head(h)
+
+
+def test_module_called_twice_in_one_forward():
+    model, ref_model = twin(factory=CalledTwice)
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert {"up", "down"} <= set(opt.fused_modules())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_dropped_graph_does_not_block_the_next_update():
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    loss_fn(model, batches(1)[0])  # a forward whose graph is never backpropagated (e.g. a logging pass)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref, n=2)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_frozen_weights_are_skipped():
+    model, ref_model = twin()
+    for m in (model, ref_model):
+        m.up.weight.requires_grad_(False)
+    frozen = model.up.weight.detach().clone()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert "up" not in opt.fused_modules() and "frozen" in opt.unfused_linears()["up"]
+    ref = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref)
+    assert torch.equal(model.up.weight, frozen)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def _nonfinite_setup(**kw):
+    lin = nn.Linear(6, 4, bias=False)
+    opt = forge_optim.AdamW(lin, lr=1e-2, **kw)
+    lin(torch.randn(3, 6)).sum().backward()  # one clean step so states are non-trivial
+    x = torch.randn(3, 6)
+    x[1, 2] = float("inf")  # gradient column 2 becomes non-finite for every row
+    return lin, opt, x
+
+
+def test_nonfinite_gradient_coordinates_keep_weight_and_state():
+    lin, opt, x = _nonfinite_setup()
+    w0 = lin.weight.detach().clone()
+    st = {k: v.clone() for k, v in opt.state[lin.weight].items() if k in ("exp_avg", "exp_avg_sq")}
+    lin(x).sum().backward()
+    w1 = lin.weight.detach()
+    assert torch.equal(w1[:, 2], w0[:, 2])
+    for k, v in st.items():
+        assert torch.equal(opt.state[lin.weight][k][:, 2], v[:, 2]), k
+    keep = [0, 1, 3, 4, 5]
+    assert (w1[:, keep] != w0[:, keep]).all()
+    assert torch.isfinite(w1).all()
+    assert opt.nonfinite_counts() == {".weight": 4} or list(opt.nonfinite_counts().values()) == [4]
+
+
+def test_nonfinite_raise_names_the_module():
+    model = nn.Sequential(nn.Linear(6, 4, bias=False))
+    opt = forge_optim.AdamW(model, lr=1e-2, nonfinite="raise")
+    x = torch.randn(3, 6)
+    x[0, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="'0.weight'"):
+        model(x).sum().backward()
+    assert opt.nonfinite_counts() == {"0.weight": 4}
+
+
+def test_fused_weight_used_outside_its_module_is_refused():
+    class Leaky(TinyNet):
+        def forward(self, idx):
+            out = super().forward(idx)
+            return out + F.linear(self.emb(idx), self.up.weight).mean()
+
+    model, _ = twin(factory=Leaky)
+    opt = forge_optim.AdamW(model, lr=1e-2, exclude=[])
+    with pytest.raises(RuntimeError, match="exclude=\\['up'\\]"):
+        loss_fn(model, batches(1)[0]).backward()
+        opt.step()
+
+
+def test_exclude_patterns_and_unpatch_restore_plain_linear():
+    model, _ = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, exclude=["he*"])
+    assert set(opt.fused_modules()) == {"up", "down"}
+    assert "fused=AdamW(state=fp32" in repr(model.up)
+    assert opt.unfused_linears()["head"].startswith("excluded")
+    opt.unpatch()
+    assert type(model.up) is nn.Linear and "fused" not in repr(model)
+    assert opt.fused_modules() == {}
+    loss_fn(model, batches(1)[0]).backward()  # now plain: the gradient lands in .grad
+    assert model.up.weight.grad is not None
+    opt.step()
+
+
+def test_deepcopy_of_a_patched_model_is_unfused():
+    model, _ = twin()
+    forge_optim.AdamW(model, lr=1e-2)
+    clone = copy.deepcopy(model)
+    loss_fn(clone, batches(1)[0]).backward()
+    assert clone.up.weight.grad is not None
+
+
+def test_in_place_misuse_raises_torchs_error():
+    lin = nn.Linear(5, 5)
+    forge_optim.SGD(lin, lr=0.1)
+    x = torch.randn(2, 5, requires_grad=True)
+    h = x @ lin.weight.t()  # an upstream consumer that saved the weight; its backward runs after lin's
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lin(h).sum().backward()
