@@ -1,0 +1,156 @@
+"""Triton backend: the fused FORGE kernel (weight-gradient GEMM + optimizer update in its epilogue).
+
+Serves a job on a CUDA device (or on CPU tensors under ``TRITON_INTERPRET=1``); anything the kernel
+cannot serve (a non-contiguous weight or state, an unusual dtype, a rule without a Triton form)
+falls back to the torch backend's tiled path, which computes the same update.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._triton import interpreting
+from ..kernels import fused
+from ..kernels.launch import KernelConfig, Tuner, bt_regime, launch, state_kind
+from .base import Backend, UpdateJob
+from .torch_backend import TorchBackend
+
+_FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _as2d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
+    return t.contiguous()
+
+
+def _inputs(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dy, x = _as2d(dy), _as2d(x)
+    if dy.dtype != x.dtype or dy.dtype not in _FLOAT_IN:
+        # mixed or unusual input dtypes: compute in fp32 (exact for bf16/fp16 values)
+        dy, x = dy.float(), x.float()
+    return dy, x
+
+
+class TritonBackend(Backend):
+    name = "triton"
+
+    def __init__(self, fallback_block_rows: int = 256, *, config: KernelConfig | None = None):
+        self.fallback = TorchBackend(fallback_block_rows)
+        self.config = config  # fixed config (tests); None: interpreter default or tuned on GPU
+        self.tuner = Tuner()
+        self.fallbacks = 0  # jobs served by the torch path (for diagnostics)
+
+    # ------------------------------------------------------------------ eligibility
+    @staticmethod
+    def _device_ok(t: torch.Tensor) -> bool:
+        return t.device.type == "cuda" or (interpreting() and t.device.type == "cpu")
+
+    def _can_serve(self, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor) -> bool:
+        w = job.weight
+        if w.dim() != 2 or not w.is_contiguous() or w.dtype not in (torch.float32, torch.bfloat16):
+            return False
+        if not self._device_ok(w) or dy.device != w.device or x.device != w.device:
+            return False
+        M, N = w.shape
+        if dy.shape[1] != M or x.shape[1] != N or dy.shape[0] != x.shape[0]:
+            return False
+        if job.rule.triton_update is None or len(job.states) > 3:
+            return False
+        slots = set()
+        for view in job.states:
+            d = view.data
+            if d.shape != w.shape or not d.is_contiguous() or d.device != w.device:
+                return False
+            if view.spec.slot in slots or not 0 <= view.spec.slot < 3:
+                return False
+            slots.add(view.spec.slot)
+            if view.quantized:
+                if d.dtype not in (torch.int8, torch.uint8) or view.scale.dtype != torch.float32:
+                    return False
+                if view.scale.shape != (M, (N + 63) // 64) or not view.scale.is_contiguous():
+                    return False
+                if (d.dtype == torch.uint8) != bool(view.spec.nonnegative):
+                    return False
+            elif d.dtype not in (torch.float32, torch.bfloat16):
+                return False
+        gb = job.grad_buffer
+        if gb is not None and (gb.shape != w.shape or gb.dtype != torch.float32 or not gb.is_contiguous()
+                               or gb.device != w.device):
+            return False
+        nf = job.nonfinite
+        if nf is not None and (nf.dtype != torch.int64 or nf.numel() != 1 or nf.device != w.device):
+            return False
+        return True
+
+    # ------------------------------------------------------------------ entry points
+    def update(self, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor) -> None:
+        dy, x = _inputs(dy, x)
+        if not self._can_serve(job, dy, x):
+            self.fallbacks += 1
+            self.fallback.update(job, dy, x)
+            return
+        slots = [None, None, None]
+        for view in job.states:
+            slots[view.spec.slot] = view
+        keys = [0, 0, 0]
+        for view, key in zip(job.states, job.key_states):
+            keys[view.spec.slot] = key
+        nf = job.nonfinite
+        if nf is not None and nf.dim() != 0:
+            nf = nf.view(())
+        if nf is not None and not nf.is_contiguous():
+            nf = None  # pragma: no cover - scalars are contiguous
+        kwargs = dict(weight=job.weight, dy=dy, x=x, rule_update=job.rule.triton_update,
+                      coeffs=tuple(job.coeffs), states=tuple(slots), grad_sign=job.grad_sign,
+                      grad_buffer=job.grad_buffer, nonfinite=nf,
+                      stochastic_weight=job.stochastic_weight and job.weight.dtype == torch.bfloat16,
+                      stochastic_state=job.stochastic_state, key_weight=job.key_weight,
+                      key_states=tuple(keys), mode=fused.MODE_UPDATE)
+        cfg = self._config(job, dy, x, kwargs)
+        launch(config=cfg, **kwargs)
+
+    def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
+        dy, x = _inputs(dy, x)
+        ok = (buffer.dim() == 2 and buffer.is_contiguous() and buffer.dtype == torch.float32
+              and self._device_ok(buffer) and dy.device == buffer.device and x.device == buffer.device
+              and dy.shape[1] == buffer.shape[0] and x.shape[1] == buffer.shape[1]
+              and dy.shape[0] == x.shape[0])
+        if not ok:
+            self.fallbacks += 1
+            self.fallback.accumulate(buffer, dy, x)
+            return
+        kwargs = dict(weight=buffer, dy=dy, x=x, mode=fused.MODE_ACCUMULATE)
+        cfg = self._config(None, dy, x, kwargs)
+        launch(config=cfg, **kwargs)
+
+    # ------------------------------------------------------------------ configs
+    def _config(self, job, dy, x, kwargs) -> KernelConfig:
+        if self.config is not None:
+            return self.config
+        w = kwargs["weight"]
+        states = kwargs.get("states", (None, None, None))
+        key = (tuple(w.shape), bt_regime(dy.shape[0]), str(w.dtype), str(dy.dtype),
+               job.rule.name if job is not None else "accumulate",
+               tuple(state_kind(s) if s is not None else 0 for s in states),
+               kwargs.get("grad_buffer") is not None, kwargs.get("nonfinite") is not None,
+               bool(kwargs.get("stochastic_weight")), bool(kwargs.get("stochastic_state")))
+
+        def run_on_clones(cfg):
+            kw = dict(kwargs)
+            kw["weight"] = w.clone()
+            kw["states"] = tuple(_clone_view(s) for s in states)
+            if kw.get("grad_buffer") is not None:
+                kw["grad_buffer"] = kw["grad_buffer"].clone()
+            if kw.get("nonfinite") is not None:
+                kw["nonfinite"] = kw["nonfinite"].clone()
+            return lambda: launch(config=cfg, **kw)
+
+        return self.tuner.pick(key, dy.shape[0], run_on_clones)
+
+
+def _clone_view(view):
+    if view is None:
+        return None
+    from .base import StateView
+
+    return StateView(view.spec, view.data.clone(), None if view.scale is None else view.scale.clone())

@@ -1,0 +1,248 @@
+"""The fused FORGE kernel: weight-gradient GEMM tile in registers, optimizer update in the epilogue.
+
+For a linear layer with upstream gradient ``dY`` [BT, Dout] and input ``X`` [BT, Din], one program
+of a persistent grid walks output tiles (GROUP_SIZE swizzle) of the [Dout, Din] weight. For each
+tile it accumulates ``G = dY[:, rows]^T X[:, cols]`` in fp32 registers over the token axis, then:
+
+- MODE_UPDATE: adds the fp32 gradient buffer if one is given (final micro-step of gradient
+  accumulation), multiplies by ``grad_sign`` (maximize), loads W and the rule's states (fp32, bf16,
+  or int8/uint8 codes with one fp32 scale per 64 columns), applies the rule's ``triton_update``
+  (a constexpr JIT function), keeps old values where G is not finite (counting those coordinates
+  into ``nonfinite``), and stores W and states back (bf16 by stochastic rounding or RNE, int8 by
+  per-64-block absmax quantization). The gradient never exists in memory.
+- MODE_ACCUMULATE: fp32 ``buffer += G``.
+
+The numerics follow ``backends.torch_backend.apply_update`` op for op; the stochastic-rounding bits
+come from the same uint32 hash as ``precision.hash32``.
+
+Under ``TRITON_INTERPRET=1`` (constexpr ``INTERPRET``) every operand is upcast to fp32 before the
+dot and bf16 rounding is done by explicit bit arithmetic, because the interpreter's bf16 math is
+wrong and its fp32->bf16 cast truncates.
+"""
+from __future__ import annotations
+
+from .._triton import jit, tl
+
+MODE_UPDATE = 0
+MODE_ACCUMULATE = 1
+
+# state kinds (constexpr)
+S_NONE = 0
+S_FP32 = 1
+S_BF16 = 2
+S_INT8 = 3  # signed codes, scale = absmax / 127
+S_UINT8 = 4  # non-negative codes, scale = absmax / 255, positive values floored to code 1
+
+QBLOCK = 64  # columns per int8 scale (precision.INT8_BLOCK)
+
+try:  # libdevice rint (round half to even) on the GPU; the interpreter lacks it
+    from triton.language.extra import libdevice as _libdevice
+except Exception:  # pragma: no cover
+    _libdevice = None
+
+
+@jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
+    """Grouped ordering: GROUP_SIZE row-tiles sweep all column-tiles together (L2 reuse of X)."""
+    num_pid_in_group = GROUP_SIZE * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_SIZE)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@jit
+def _hash16(lin, key):
+    """16 random bits per element: hash32((offset + key) mod 2**32) & 0xFFFF (precision.random16)."""
+    h = lin.to(tl.uint32) + key.to(tl.uint32)
+    h = ((h >> 16) ^ h) * 0x045D9F3B
+    h = ((h >> 16) ^ h) * 0x045D9F3B
+    h = (h >> 16) ^ h
+    return h & 0xFFFF
+
+
+@jit
+def _to_bf16(x, lin, key, SR: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 -> bf16, stochastic (add 16 hashed bits, truncate) or round-to-nearest-even."""
+    if SR:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + _hash16(lin, key)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    else:
+        if INTERPRET:  # the interpreter's cast truncates: round the bit pattern first
+            bits = x.to(tl.uint32, bitcast=True)
+            lsb = (bits >> 16) & 1
+            bits = (bits + 0x7FFF + lsb) & 0xFFFF0000
+            r = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+            return r.to(tl.bfloat16)
+        else:
+            return x.to(tl.bfloat16)
+
+
+@jit
+def _rint(x, INTERPRET: tl.constexpr):
+    """Round half to even (torch.round) for |x| < 2**22."""
+    if INTERPRET:
+        return (x + 12582912.0) - 12582912.0
+    else:
+        return _libdevice.rint(x)
+
+
+@jit
+def _load_state(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
+                KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    if KIND == 0:
+        return tl.zeros((BM, BN), dtype=tl.float32)
+    elif KIND == 1 or KIND == 2:
+        return tl.load(s_ptr + lin, mask=mask, other=0.0).to(tl.float32)
+    else:
+        NB: tl.constexpr = BN // 64
+        q = tl.load(s_ptr + lin, mask=mask, other=0).to(tl.float32)
+        smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
+        sc = tl.load(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], mask=smask, other=0.0)
+        v = tl.reshape(q, (BM, NB, 64)) * sc[:, :, None]
+        return tl.reshape(v, (BM, BN))
+
+
+@jit
+def _store_state(s_ptr, sc_ptr, value, lin, mask, offs_m, sb_idx, M, NSB, key,
+                 KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr):
+    if KIND == 1:
+        tl.store(s_ptr + lin, value, mask=mask)
+    elif KIND == 2:
+        tl.store(s_ptr + lin, _to_bf16(value, lin, key, SR, INTERPRET), mask=mask)
+    elif KIND == 3 or KIND == 4:
+        NB: tl.constexpr = BN // 64
+        x = tl.reshape(tl.where(mask, value, 0.0), (BM, NB, 64))
+        absmax = tl.max(tl.abs(x), axis=2)
+        if KIND == 4:
+            qmax = 255.0
+        else:
+            qmax = 127.0
+        scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
+        inv = tl.where(absmax > 0, tl.div_rn(tl.full(absmax.shape, qmax, tl.float32), absmax), 0.0)
+        q = _rint(x * inv[:, :, None], INTERPRET)
+        if KIND == 4:
+            q = tl.where(x > 0, tl.minimum(tl.maximum(q, 1.0), 255.0), 0.0)
+            qs = tl.reshape(q, (BM, BN)).to(tl.uint8)
+        else:
+            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+            qs = tl.reshape(q, (BM, BN)).to(tl.int8)
+        tl.store(s_ptr + lin, qs, mask=mask)
+        smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
+        tl.store(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], scale, mask=smask)
+
+
+@jit
+def _epilogue(acc, offs_m, offs_n, col0,
+              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr,
+              M, N, NSB,
+              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+              UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
+              W_BF16: tl.constexpr, W_SR: tl.constexpr,
+              S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+              INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    lin = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    if MODE == 1:
+        b = tl.load(buf_ptr + lin, mask=mask, other=0.0)
+        tl.store(buf_ptr + lin, b + acc, mask=mask)
+    else:
+        g = acc
+        if HAS_BUF:
+            g = g + tl.load(buf_ptr + lin, mask=mask, other=0.0)
+        g = g * grad_sign
+        sb_idx = col0 // 64 + tl.arange(0, BN // 64)
+        w_old = tl.load(w_ptr + lin, mask=mask, other=0.0).to(tl.float32)
+        s0_old = _load_state(s0_ptr, sc0_ptr, lin, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
+        s1_old = _load_state(s1_ptr, sc1_ptr, lin, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
+        s2_old = _load_state(s2_ptr, sc2_ptr, lin, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
+        w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old,
+                                               c0, c1, c2, c3, c4, c5, c6, c7)
+        finite = tl.abs(g) < float("inf")  # False for NaN and +-Inf
+        w_new = tl.where(finite, w_new, w_old)
+        if HAS_NF:
+            bad = tl.sum(tl.where(mask, tl.where(finite, 0, 1), 0))
+            if bad > 0:
+                tl.atomic_add(nf_ptr, bad.to(tl.int64))
+        if W_BF16:
+            tl.store(w_ptr + lin, _to_bf16(w_new, lin, key_w, W_SR, INTERPRET), mask=mask)
+        else:
+            tl.store(w_ptr + lin, w_new, mask=mask)
+        if S0 != 0:
+            s0_new = tl.where(finite, s0_new, s0_old)
+            _store_state(s0_ptr, sc0_ptr, s0_new, lin, mask, offs_m, sb_idx, M, NSB, key_s0,
+                         S0, S_SR, INTERPRET, BM, BN)
+        if S1 != 0:
+            s1_new = tl.where(finite, s1_new, s1_old)
+            _store_state(s1_ptr, sc1_ptr, s1_new, lin, mask, offs_m, sb_idx, M, NSB, key_s1,
+                         S1, S_SR, INTERPRET, BM, BN)
+        if S2 != 0:
+            s2_new = tl.where(finite, s2_new, s2_old)
+            _store_state(s2_ptr, sc2_ptr, s2_new, lin, mask, offs_m, sb_idx, M, NSB, key_s2,
+                         S2, S_SR, INTERPRET, BM, BN)
+
+
+@jit
+def forge_fused_kernel(
+        dy_ptr, x_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr,
+        BT, M, N, NSB,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
+        W_BF16: tl.constexpr, W_SR: tl.constexpr,
+        S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+        DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
+        NUM_PROGS: tl.constexpr, EPI_SPLIT: tl.constexpr):
+    """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    k_tiles = tl.cdiv(BT, BK)
+    if USE_TMA:
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[BT, M], strides=[M, 1], block_shape=[BK, BM])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[BT, N], strides=[N, 1], block_shape=[BK, BN])
+    offs_k = tl.arange(0, BK)
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGS, flatten=False):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            k0 = kt * BK
+            if USE_TMA:
+                a = dy_desc.load([k0, pid_m * BM])  # [BK, BM]
+                b = x_desc.load([k0, pid_n * BN])  # [BK, BN]
+            else:
+                kk = k0 + offs_k
+                kmask = kk[:, None] < BT
+                a = tl.load(dy_ptr + kk[:, None].to(tl.int64) * M + offs_m[None, :],
+                            mask=kmask & (offs_m[None, :] < M), other=0.0)
+                b = tl.load(x_ptr + kk[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=kmask & (offs_n[None, :] < N), other=0.0)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
+        if EPI_SPLIT == 2:
+            HALF: tl.constexpr = BN // 2
+            acc3 = tl.permute(tl.reshape(acc, (BM, 2, HALF)), (0, 2, 1))
+            acc_lo, acc_hi = tl.split(acc3)
+            offs_lo = pid_n * BN + tl.arange(0, HALF)
+            _epilogue(acc_lo, offs_m, offs_lo, pid_n * BN,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, HALF)
+            _epilogue(acc_hi, offs_m, offs_lo + HALF, pid_n * BN + HALF,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, HALF)
+        else:
+            _epilogue(acc, offs_m, offs_n, pid_n * BN,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)

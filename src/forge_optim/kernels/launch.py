@@ -1,0 +1,236 @@
+"""Host side of the fused kernel: argument packing, the pruned config lists, and a copy-safe tuner.
+
+The kernel updates W and the states in place, so Triton's stock autotuner (which re-runs the
+kernel on the live tensors) would apply the update once per trial. ``Tuner`` instead times each
+candidate config on *clones* of the weight, the states, the gradient buffer and the counter, then
+launches the winner once on the real tensors. Winners are cached per (shape, BT regime, dtypes,
+rule, state layout) and can be read back (``Tuner.winners``) for benchmark reports.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .._triton import interpreting, triton
+from . import fused
+
+_ALLOCATOR_SET = False
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    BM: int = 128
+    BN: int = 128  # multiple of 64 (int8 scale blocks must not straddle tiles)
+    BK: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_size: int = 8
+    progs_per_sm: int = 1  # persistent grid = min(tiles, SMs * progs_per_sm)
+    epi_split: int = 1  # 2: run the epilogue on two [BM, BN/2] halves (fewer live registers)
+    use_tma: bool = True  # only taken where Hopper TMA is available and the strides allow it
+
+    def __post_init__(self):
+        if self.BN % 64 != 0 or (self.BN // self.epi_split) % 64 != 0:
+            raise ValueError(f"BN={self.BN} (split {self.epi_split}) must be a multiple of 64 per epilogue part")
+
+    def short(self) -> str:
+        return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
+                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}")
+
+
+# Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
+INTERPRET_CONFIG = KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, group_size=2,
+                                progs_per_sm=3, epi_split=1, use_tma=False)
+
+# GPU candidates, pruned per BT regime. Small BT: the epilogue's memory traffic dominates, so
+# more programs per SM (one tile's epilogue overlaps another's mainloop) and narrower tiles.
+# Large BT: the GEMM dominates, so wide tiles and deep pipelines.
+SMALL_BT_CONFIGS = (
+    KernelConfig(128, 128, 64, 8, 3, 8, 1, 1),
+    KernelConfig(128, 128, 64, 8, 3, 8, 2, 1),
+    KernelConfig(128, 128, 64, 8, 3, 8, 2, 2),
+    KernelConfig(64, 128, 64, 4, 4, 8, 2, 1),
+    KernelConfig(128, 64, 64, 4, 4, 8, 2, 1),
+    KernelConfig(128, 256, 64, 8, 3, 8, 1, 2),
+)
+LARGE_BT_CONFIGS = (
+    KernelConfig(128, 256, 64, 8, 3, 8, 1, 2),
+    KernelConfig(128, 256, 64, 8, 4, 8, 1, 2),
+    KernelConfig(128, 128, 64, 8, 4, 8, 1, 1),
+    KernelConfig(128, 128, 64, 8, 4, 8, 2, 2),
+    KernelConfig(256, 128, 64, 8, 3, 8, 1, 1),
+)
+
+
+def candidate_configs(bt: int) -> tuple[KernelConfig, ...]:
+    if bt <= 1024:
+        return SMALL_BT_CONFIGS
+    if bt <= 4096:
+        return SMALL_BT_CONFIGS[:3] + LARGE_BT_CONFIGS[:3]
+    return LARGE_BT_CONFIGS
+
+
+def bt_regime(bt: int) -> int:
+    """Bucket BT so that a tuned winner is reused across nearby token counts."""
+    b = 64
+    while b < bt:
+        b *= 2
+    return b
+
+
+def state_kind(view) -> int:
+    if view.quantized:
+        return fused.S_UINT8 if view.data.dtype == torch.uint8 else fused.S_INT8
+    if view.data.dtype == torch.bfloat16:
+        return fused.S_BF16
+    return fused.S_FP32
+
+
+def _ensure_allocator():
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET = True
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tma_ok(dy: torch.Tensor, x: torch.Tensor) -> bool:
+    if interpreting() or dy.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(dy.device)[0] < 9:
+        return False
+    for t in (dy, x):
+        es = t.element_size()
+        if t.data_ptr() % 16 or (t.stride(0) * es) % 16:
+            return False
+    return True
+
+
+def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, None, None),
+           grad_sign=1.0, grad_buffer=None, nonfinite=None, stochastic_weight=False,
+           stochastic_state=False, key_weight=0, key_states=(0, 0, 0), mode=fused.MODE_UPDATE,
+           config: KernelConfig):
+    """Launch the kernel once. ``states`` is a 3-tuple of StateView or None, indexed by slot.
+
+    In accumulate mode ``weight`` is the fp32 buffer (the kernel adds the tile into it).
+    """
+    interp = interpreting()
+    M, N = weight.shape
+    BT = dy.shape[0]
+    nsb = (N + 63) // 64
+    dummy = weight
+    ptrs, scales, kinds = [], [], []
+    for view in states:
+        if view is None:
+            ptrs.append(dummy)
+            scales.append(dummy)
+            kinds.append(fused.S_NONE)
+        else:
+            ptrs.append(view.data)
+            scales.append(view.scale if view.quantized else dummy)
+            kinds.append(state_kind(view))
+    cfg = config
+    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    if interp:
+        nprogs = max(1, min(tiles, cfg.progs_per_sm))
+        use_tma = False
+    else:
+        nprogs = max(1, min(tiles, _sm_count(weight.device) * cfg.progs_per_sm))
+        use_tma = cfg.use_tma and _tma_ok(dy, x)
+        if use_tma:
+            _ensure_allocator()
+    accumulate = mode == fused.MODE_ACCUMULATE
+    buf = weight if accumulate else grad_buffer
+    c = tuple(float(v) for v in coeffs)
+    w_bf16 = weight.dtype == torch.bfloat16
+    dot_prec = "ieee" if (dy.dtype == torch.float32 or x.dtype == torch.float32) else "tf32"
+    fused.forge_fused_kernel[(nprogs,)](
+        dy, x, weight, ptrs[0], ptrs[1], ptrs[2], scales[0], scales[1], scales[2],
+        buf if buf is not None else dummy, nonfinite if nonfinite is not None else dummy,
+        BT, M, N, nsb,
+        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
+        int(key_weight) & 0x7FFFFFFF, int(key_states[0]) & 0x7FFFFFFF, int(key_states[1]) & 0x7FFFFFFF,
+        int(key_states[2]) & 0x7FFFFFFF,
+        UPDATE=rule_update if rule_update is not None else _noop_update(),
+        MODE=mode, HAS_BUF=(grad_buffer is not None and not accumulate),
+        HAS_NF=(nonfinite is not None and not accumulate),
+        W_BF16=w_bf16 and not accumulate, W_SR=bool(stochastic_weight),
+        S0=0 if accumulate else kinds[0], S1=0 if accumulate else kinds[1], S2=0 if accumulate else kinds[2],
+        S_SR=bool(stochastic_state), DOT_PREC=dot_prec, INTERPRET=interp, USE_TMA=use_tma,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size, NUM_PROGS=nprogs,
+        EPI_SPLIT=cfg.epi_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _noop_update():
+    from ..rules.sgd import SGD  # any rule: accumulate mode never calls it
+
+    return SGD.triton_update
+
+
+class Tuner:
+    """Chooses a config per problem key by timing candidates on clones; never touches live tensors."""
+
+    def __init__(self):
+        self.cache: dict[tuple, KernelConfig] = {}
+        self.timings: dict[tuple, list] = {}
+        forced = os.environ.get("FORGE_TRITON_CONFIG")
+        self.forced = KernelConfig(**_parse_cfg(forced)) if forced else None
+
+    @property
+    def winners(self) -> dict[str, dict]:
+        return {repr(k): asdict(v) for k, v in self.cache.items()}
+
+    def pick(self, key: tuple, bt: int, run_on_clones) -> KernelConfig:
+        """``run_on_clones(cfg)`` returns a zero-argument callable that launches cfg on clones."""
+        if interpreting():
+            return INTERPRET_CONFIG
+        if self.forced is not None:
+            return self.forced
+        if key in self.cache:
+            return self.cache[key]
+        cands = candidate_configs(bt)
+        if len(cands) == 1:
+            self.cache[key] = cands[0]
+            return cands[0]
+        from triton.testing import do_bench
+
+        results = []
+        for cfg in cands:
+            try:
+                fn = run_on_clones(cfg)
+                fn()  # compile
+                torch.cuda.synchronize()
+                t = do_bench(fn, warmup=5, rep=25, return_mode="median")
+            except Exception as err:  # a config that fails to compile (resources) is skipped
+                results.append((float("inf"), cfg, repr(err)[:200]))
+                continue
+            results.append((t, cfg, ""))
+        results.sort(key=lambda r: r[0])
+        if results[0][0] == float("inf"):
+            raise RuntimeError(f"no Triton config compiled for {key}: {results[0][2]}")
+        self.cache[key] = results[0][1]
+        self.timings[key] = [(r[1].short(), r[0], r[2]) for r in results]
+        return results[0][1]
+
+
+def _parse_cfg(text: str) -> dict:
+    out = {}
+    for part in text.split(","):
+        k, v = part.split("=")
+        out[k.strip()] = (v.strip().lower() in ("1", "true")) if k.strip() == "use_tma" else int(v)
+    return out

@@ -1,0 +1,516 @@
+"""The fused Triton kernel against the torch backend (the reference semantics) and torch.optim.
+
+Two halves:
+- CPU: the kernel under the Triton interpreter. ``TRITON_INTERPRET`` must be set before triton is
+  imported and it changes what ``triton.jit`` returns process-wide, so these tests never set it in
+  the pytest process that runs the rest of the suite: ``test_interpreter_suite`` re-runs this file
+  in a subprocess with ``TRITON_INTERPRET=1``, where the ``interp`` tests below are collected.
+- GPU (``@pytest.mark.gpu``, skipped without CUDA): real shapes, run on the device with
+  ``pytest -m gpu tests/test_triton_kernel.py``.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+
+triton = pytest.importorskip("triton")
+
+from forge_optim import precision  # noqa: E402
+from forge_optim.backends.base import StateView, UpdateJob  # noqa: E402
+from forge_optim.backends.torch_backend import TorchBackend, apply_update  # noqa: E402
+from forge_optim.rules import RULES  # noqa: E402
+
+# (rule, group overrides, step)
+RULE_CASES = {
+    "AdamW": ("AdamW", dict(lr=1e-2, weight_decay=0.1), 3),
+    "Adam": ("Adam", dict(lr=1e-2, weight_decay=0.1), 3),
+    "NAdam": ("NAdam", dict(lr=1e-2, weight_decay=0.1), 3),
+    "NAdam-decoupled": ("NAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), 3),
+    "RAdam-early": ("RAdam", dict(lr=1e-2, weight_decay=0.1), 2),
+    "RAdam-rectified": ("RAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True), 10),
+    "Lion": ("Lion", dict(lr=1e-3, weight_decay=0.1), 3),
+    "RMSprop": ("RMSprop", dict(lr=1e-3, weight_decay=0.1), 3),
+    "RMSprop-centered-momentum": ("RMSprop", dict(lr=1e-3, weight_decay=0.1, momentum=0.9, centered=True), 3),
+    "RMSprop-centered": ("RMSprop", dict(lr=1e-3, centered=True), 3),
+    "Adagrad": ("Adagrad", dict(lr=1e-2, weight_decay=0.1, lr_decay=0.01, initial_accumulator_value=0.1), 3),
+    "SGD": ("SGD", dict(lr=1e-2, weight_decay=0.1), 3),
+    "SGD-momentum-first": ("SGD", dict(lr=1e-2, momentum=0.9, dampening=0.1), 1),
+    "SGD-momentum": ("SGD", dict(lr=1e-2, weight_decay=0.1, momentum=0.9, dampening=0.1), 4),
+    "SGD-nesterov": ("SGD", dict(lr=1e-2, weight_decay=0.1, momentum=0.9, nesterov=True), 4),
+}
+STATE_MODES = ("fp32", "bf16-sr", "bf16-rne", "int8")
+
+
+def make_job(case: str, mode: str, M: int, N: int, device="cpu", seed=0, nonfinite=True) -> UpdateJob:
+    rule_name, over, step = RULE_CASES[case]
+    rule = RULES[rule_name]
+    group = dict(rule.defaults)
+    group.update(over)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    wdtype = torch.float32 if mode == "fp32" else torch.bfloat16
+    w = torch.randn(M, N, generator=gen, device=device).to(wdtype)
+    views = []
+    for spec in rule.state_specs(group):
+        v32 = torch.randn(M, N, generator=gen, device=device) * 0.01
+        if spec.nonnegative:
+            v32 = v32.abs() + 0.01  # keeps RMSprop-centered's square_avg - grad_avg^2 > 0
+        if mode == "int8":
+            q, s = precision.quantize(v32, spec.nonnegative)
+            views.append(StateView(spec, q.contiguous(), s.contiguous()))
+        elif mode.startswith("bf16"):
+            views.append(StateView(spec, v32.bfloat16()))
+        else:
+            views.append(StateView(spec, v32))
+    state = {k: torch.tensor(v) for k, v in rule.scalar_states.items()}
+    for s in range(1, step):  # advance scalar states (NAdam's mu_product) as an optimizer would
+        rule.coefficients(group, state, s)
+    coeffs = rule.padded(rule.coefficients(group, state, step))
+    sr = mode in ("bf16-sr", "int8")
+    return UpdateJob(weight=w, rule=rule, coeffs=coeffs, states=views, grad_sign=1.0,
+                     stochastic_weight=sr, stochastic_state=sr,
+                     key_weight=precision.stream_key(7, 1, step, 0),
+                     key_states=tuple(precision.stream_key(7, 1, step, 1 + i) for i in range(3)),
+                     nonfinite=torch.zeros((), dtype=torch.int64, device=device) if nonfinite else None)
+
+
+def exact_inputs(BT, M, N, device="cpu", dtype=torch.bfloat16, seed=1):
+    """Dyadic values: every product and partial sum is exact in fp32, so the gradient is bitwise
+    the same whatever the summation order, and the two backends must agree to the rule's round-off."""
+    gen = torch.Generator().manual_seed(seed)
+    dy = (torch.randint(-16, 17, (BT, M), generator=gen) / 16.0).to(dtype).to(device)
+    x = (torch.randint(-16, 17, (BT, N), generator=gen) / 32.0).to(dtype).to(device)
+    return dy, x
+
+
+def bf16_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps; pairs equal up to fp32 round-off of the tensor's scale count as 0
+    (near zero a cancellation such as lerp(m, g) with g ~ m can land on either side of zero)."""
+    d = _bf16_steps(a, b)
+    atol = 1e-6 * b.float().abs().max()
+    return torch.where((a.float() - b.float()).abs() <= atol, torch.zeros_like(d), d)
+
+
+def _bf16_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    # map sign-magnitude to a monotone integer line
+    ia = torch.where(ia < 0, -32768 - ia, ia)
+    ib = torch.where(ib < 0, -32768 - ib, ib)
+    return (ia - ib).abs()
+
+
+def assert_state_close(va: StateView, vb: StateView, mode: str, what: str):
+    if va.quantized:
+        da = precision.dequantize(va.data, va.scale)
+        db = precision.dequantize(vb.data, vb.scale)
+        torch.testing.assert_close(va.scale, vb.scale, rtol=1e-5, atol=1e-30, msg=f"{what} scale")
+        step = torch.maximum(va.scale, vb.scale).repeat_interleave(64, dim=1)[:, : da.shape[1]]
+        assert bool(((da - db).abs() <= step * 1.0001 + 1e-30).all()), f"{what}: int8 beyond one step"
+        codes_equal = (va.data == vb.data).float().mean().item()
+        assert codes_equal > 0.98, f"{what}: only {codes_equal:.3f} of int8 codes equal"
+    elif va.data.dtype == torch.bfloat16:
+        d = bf16_ulp_diff(va.data, vb.data)
+        assert int(d.max()) <= 1, f"{what}: bf16 state beyond 1 ULP"
+        same = (va.data.view(torch.int16) == vb.data.view(torch.int16)).float().mean().item()
+        assert same > 0.99, f"{what}: bf16 bits differ too often ({same:.4f} equal)"
+    else:
+        torch.testing.assert_close(va.data, vb.data, rtol=2e-6, atol=1e-9, msg=what)
+
+
+def assert_weight_close(wa: torch.Tensor, wb: torch.Tensor, what: str, exact_frac=0.99):
+    assert not torch.isnan(wa).any(), f"{what}: NaN written"
+    if wa.dtype == torch.bfloat16:
+        d = bf16_ulp_diff(wa, wb)
+        assert int(d.max()) <= 1, f"{what}: bf16 weight beyond 1 ULP ({int(d.max())})"
+        frac = (wa.view(torch.int16) == wb.view(torch.int16)).float().mean().item()
+        assert frac >= exact_frac, f"{what}: only {frac:.4f} of bf16 weights bit-identical"
+    else:
+        torch.testing.assert_close(wa, wb, rtol=2e-6, atol=1e-7, msg=what)
+
+
+def run_both(job: UpdateJob, dy, x, backend=None):
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    ref = copy.deepcopy(job)
+    (backend or TritonBackend()).update(job, dy, x)
+    TorchBackend(block_rows=32).update(ref, dy, x)
+    return job, ref
+
+
+def compare(job, ref, mode, what):
+    assert_weight_close(job.weight, ref.weight, what)
+    for i, (va, vb) in enumerate(zip(job.states, ref.states)):
+        assert_state_close(va, vb, mode, f"{what} state {va.spec.name}")
+    if job.nonfinite is not None:
+        assert int(job.nonfinite) == int(ref.nonfinite)
+
+
+# ======================================================================================= CPU
+if not INTERP:
+
+    def test_interpreter_suite():
+        """Run the interpreter half of this file in a child process with TRITON_INTERPRET=1."""
+        env = dict(os.environ)
+        env["TRITON_INTERPRET"] = "1"
+        src = str(REPO / "src")
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE)],
+            cwd=str(REPO), env=env, capture_output=True, text=True, timeout=900)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"interpreter tests failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
+
+    def test_interpreter_flag_not_leaked():
+        """The subprocess trick must not leave TRITON_INTERPRET set for the rest of the suite."""
+        assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+if INTERP:
+    from forge_optim.backends.triton_backend import TritonBackend
+    from forge_optim.kernels.launch import KernelConfig
+
+    M0, N0, BT0 = 70, 130, 37
+
+    @pytest.mark.parametrize("mode", STATE_MODES)
+    @pytest.mark.parametrize("case", list(RULE_CASES))
+    def test_rule_state_mode(case, mode):
+        job = make_job(case, mode, M0, N0)
+        dy, x = exact_inputs(BT0, M0, N0)
+        job, ref = run_both(job, dy, x)
+        compare(job, ref, mode, f"{case}/{mode}")
+
+    @pytest.mark.parametrize("mode", ["fp32", "bf16-sr"])
+    def test_random_inputs_fp32_dot(mode):
+        """Non-dyadic fp32 inputs: the ieee fp32 dot, gradients equal up to summation order."""
+        gen = torch.Generator().manual_seed(3)
+        dy = torch.randn(BT0, M0, generator=gen)
+        x = torch.randn(BT0, N0, generator=gen)
+        job = make_job("AdamW", mode, M0, N0)
+        job, ref = run_both(job, dy, x)
+        if mode == "fp32":
+            torch.testing.assert_close(job.weight, ref.weight, rtol=1e-5, atol=1e-6)
+            for va, vb in zip(job.states, ref.states):
+                torch.testing.assert_close(va.data, vb.data, rtol=1e-5, atol=1e-6)
+        else:
+            assert int(bf16_ulp_diff(job.weight, ref.weight).max()) <= 1
+
+    def test_sr_bits_identical():
+        """Same gradient, same fp32 value: the kernel draws exactly the torch backend's SR bits."""
+        job = make_job("SGD", "bf16-sr", M0, N0)
+        dy, x = exact_inputs(BT0, M0, N0)
+        job, ref = run_both(job, dy, x)
+        assert torch.equal(job.weight.view(torch.int16), ref.weight.view(torch.int16))
+        # and stochastic rounding actually did something different from RNE
+        rne = make_job("SGD", "bf16-rne", M0, N0)
+        TritonBackend().update(rne, dy, x)
+        assert not torch.equal(rne.weight, job.weight)
+
+    @pytest.mark.parametrize("cfg", [
+        KernelConfig(BM=16, BN=128, BK=16, num_warps=4, num_stages=1, group_size=3, progs_per_sm=2,
+                     epi_split=2, use_tma=False),
+        KernelConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=1, group_size=1, progs_per_sm=1,
+                     epi_split=1, use_tma=False),
+    ])
+    @pytest.mark.parametrize("mode", ["fp32", "int8"])
+    def test_other_tilings(cfg, mode):
+        """Epilogue split in two halves, a single program, other swizzles: same result."""
+        job = make_job("AdamW", mode, 50, 200)
+        dy, x = exact_inputs(13, 50, 200)
+        job, ref = run_both(job, dy, x, backend=TritonBackend(config=cfg))
+        compare(job, ref, mode, f"tiling/{mode}")
+
+    @pytest.mark.parametrize("shape", [(1, 64, 1), (33, 65, 2), (17, 3, 5)])
+    def test_small_odd_shapes(shape):
+        M, N, BT = shape
+        job = make_job("AdamW", "int8", M, N)
+        dy, x = exact_inputs(BT, M, N)
+        job, ref = run_both(job, dy, x)
+        compare(job, ref, "int8", f"shape {shape}")
+
+    def test_accumulate_then_final():
+        """accumulate: buffer += dY^T X; final: the update on (buffer + tile), as the torch backend."""
+        dy1, x1 = exact_inputs(BT0, M0, N0, seed=5)
+        dy2, x2 = exact_inputs(20, M0, N0, seed=6)
+        buf = torch.randn(M0, N0, generator=torch.Generator().manual_seed(9))
+        buf_ref = buf.clone()
+        TritonBackend().accumulate(buf, dy1, x1)
+        TorchBackend().accumulate(buf_ref, dy1, x1)
+        torch.testing.assert_close(buf, buf_ref, rtol=1e-6, atol=1e-6)
+        for mode in ("fp32", "bf16-sr", "int8"):
+            job = make_job("AdamW", mode, M0, N0)
+            job.grad_buffer = buf.clone()
+            job, ref = run_both(job, dy2, x2)
+            compare(job, ref, mode, f"final/{mode}")
+            assert torch.equal(job.grad_buffer, buf)  # the final step only reads the buffer
+
+    def test_accumulate_random_fp32():
+        gen = torch.Generator().manual_seed(4)
+        dy, x = torch.randn(BT0, M0, generator=gen), torch.randn(BT0, N0, generator=gen)
+        buf = torch.zeros(M0, N0)
+        TritonBackend().accumulate(buf, dy, x)
+        torch.testing.assert_close(buf, dy.t() @ x, rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
+    def test_nonfinite_guard(mode):
+        dy, x = exact_inputs(BT0, M0, N0)
+        dy = dy.clone()
+        x = x.clone()
+        dy[3, 7] = float("nan")  # row 7 of G is NaN
+        x[5, 11] = float("inf")  # column 11 of G is +-Inf or NaN
+        x[6, 100] = float("-inf")
+        job = make_job("AdamW", mode, M0, N0)
+        w0 = job.weight.clone()
+        s0 = [v.data.clone() for v in job.states]
+        job, ref = run_both(job, dy, x)
+        expected = N0 + 2 * M0 - 2
+        assert int(job.nonfinite) == expected == int(ref.nonfinite)
+        assert torch.isfinite(job.weight.float()).all()
+        for v in job.states:
+            assert torch.isfinite(v.data.float()).all()
+        assert torch.equal(job.weight[7], w0[7]) and torch.equal(job.weight[:, 11], w0[:, 11])
+        if mode != "int8":  # int8 rows re-quantize with their block, as the torch backend does
+            for v, old in zip(job.states, s0):
+                assert torch.equal(v.data[7], old[7])
+        compare(job, ref, mode, f"nonfinite/{mode}")
+
+    def test_nonfinite_counter_optional():
+        dy, x = exact_inputs(BT0, M0, N0)
+        dy = dy.clone()
+        dy[0, 0] = float("nan")
+        job = make_job("AdamW", "fp32", M0, N0, nonfinite=False)
+        w0 = job.weight.clone()
+        TritonBackend().update(job, dy, x)
+        assert torch.equal(job.weight[0], w0[0])
+        assert not torch.equal(job.weight[1], w0[1])
+
+    @pytest.mark.parametrize("mode", ["fp32", "bf16-sr"])
+    def test_maximize(mode):
+        job = make_job("AdamW", mode, M0, N0)
+        job.grad_sign = -1.0
+        dy, x = exact_inputs(BT0, M0, N0)
+        job, ref = run_both(job, dy, x)
+        compare(job, ref, mode, f"maximize/{mode}")
+        # maximize on g equals minimize on -g
+        neg = make_job("AdamW", mode, M0, N0)
+        TritonBackend().update(neg, -dy, x)
+        assert torch.equal(neg.weight, job.weight)
+
+    def test_input_dtypes_and_3d():
+        """fp32 dy with bf16 x (mixed -> fp32), and [B, T, D] inputs reshaped to 2-D."""
+        dy, x = exact_inputs(BT0 - 1, M0, N0)
+        job = make_job("AdamW", "fp32", M0, N0)
+        ref = copy.deepcopy(job)
+        TritonBackend().update(job, dy.float().view(4, 9, M0), x.view(4, 9, N0))
+        TorchBackend().update(ref, dy, x)
+        compare(job, ref, "fp32", "mixed")
+
+    def test_fallback_noncontiguous_weight():
+        job = make_job("AdamW", "fp32", N0, M0)
+        job.weight = job.weight.t()  # [M0, N0] view, not contiguous
+        for v in job.states:
+            v.data = v.data.t()
+        dy, x = exact_inputs(BT0, M0, N0)
+        be = TritonBackend()
+        ref = copy.deepcopy(job)
+        be.update(job, dy, x)
+        TorchBackend().update(ref, dy, x)
+        assert be.fallbacks == 1
+        torch.testing.assert_close(job.weight, ref.weight)
+
+    def test_two_steps_against_torch_optim():
+        """fp32 W and states over two steps equal torch.optim.AdamW on the same gradient."""
+        M, N, BT = 40, 70, 11
+        gen = torch.Generator().manual_seed(2)
+        w = torch.randn(M, N, generator=gen)
+        p = torch.nn.Parameter(w.clone())
+        opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, foreach=False)
+        rule = RULES["AdamW"]
+        group = dict(rule.defaults, lr=1e-2, weight_decay=0.1)
+        m = StateView(rule.state_specs(group)[0], torch.zeros(M, N))
+        v = StateView(rule.state_specs(group)[1], torch.zeros(M, N))
+        be = TritonBackend()
+        for step in (1, 2):
+            dy, x = torch.randn(BT, M, generator=gen), torch.randn(BT, N, generator=gen)
+            job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
+                            states=[m, v])
+            be.update(job, dy, x)
+            p.grad = (dy.double().t() @ x.double()).float()
+            opt.step()
+        torch.testing.assert_close(w, p.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m.data, opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(v.data, opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+# ======================================================================================= GPU
+GPU_SHAPES = [(4096, 4096), (14336, 4096), (128256, 4096)]
+GPU_BTS = [512, 4096]
+
+
+def _gpu():
+    return torch.device("cuda")
+
+
+def _gpu_inputs(BT, M, N, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dy = torch.randn(BT, M, device="cuda", generator=gen, dtype=torch.float32).mul_(0.05).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=gen, dtype=torch.float32).bfloat16()
+    return dy, x
+
+
+def _relnorm(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BT", GPU_BTS)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_fp32_state_vs_torch_adamw(shape, BT):
+    """fp32 W and m, v: two steps equal torch.optim.AdamW on the cuBLAS gradient to fp32 round-off."""
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    M, N = shape
+    gen = torch.Generator(device="cuda").manual_seed(M + BT)
+    w = torch.randn(M, N, device="cuda", generator=gen) * 0.02
+    w0 = w.clone()
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, fused=True)
+    rule = RULES["AdamW"]
+    group = dict(rule.defaults, lr=1e-3, weight_decay=0.1)
+    specs = rule.state_specs(group)
+    m = StateView(specs[0], torch.zeros(M, N, device="cuda"))
+    v = StateView(specs[1], torch.zeros(M, N, device="cuda"))
+    nf = torch.zeros((), dtype=torch.int64, device="cuda")
+    be = TritonBackend()
+    for step in (1, 2):
+        dy, x = _gpu_inputs(BT, M, N, seed=step * 1000 + M)
+        job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
+                        states=[m, v], nonfinite=nf)
+        be.update(job, dy, x)
+        p.grad = dy.float().t() @ x.float()  # cuBLAS, fp32 (tf32 off): exact products, other order
+        opt.step()
+        p.grad = None
+        del dy, x
+    torch.cuda.synchronize()
+    assert int(nf) == 0
+    assert torch.isfinite(w).all()
+    upd = _relnorm(w - w0, p.detach() - w0)
+    em = _relnorm(m.data, opt.state[p]["exp_avg"])
+    ev = _relnorm(v.data, opt.state[p]["exp_avg_sq"])
+    print(f"fp32-state {shape} BT={BT}: update rel {upd:.2e}, m rel {em:.2e}, v rel {ev:.2e}")
+    assert em < 1e-5 and ev < 1e-5, (em, ev)
+    assert upd < 1e-4, upd
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_inputs_ieee():
+    """fp32 dy and x use an ieee fp32 dot (no tf32): the gradient matches cuBLAS fp32."""
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    M, N, BT = 4096, 4096, 512
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    dy = torch.randn(BT, M, device="cuda", generator=gen)
+    x = torch.randn(BT, N, device="cuda", generator=gen)
+    buf = torch.zeros(M, N, device="cuda")
+    TritonBackend().accumulate(buf, dy, x)
+    ref = dy.double().t() @ x.double()
+    err = _relnorm(buf, ref)
+    print(f"fp32 ieee accumulate rel err vs fp64 {err:.2e}")
+    assert err < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_gpu_bf16_sr_quarter_ulp(stochastic):
+    """100 steps of +1/4 ULP: SR moves the mean by 25 ULP (unbiased); RNE never moves."""
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    M, N, BT = 4096, 4096, 512
+    ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
+    w = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
+    dy = torch.ones(BT, M, device="cuda", dtype=torch.bfloat16)
+    x = torch.ones(BT, N, device="cuda", dtype=torch.bfloat16)  # G = BT everywhere
+    rule = RULES["SGD"]
+    group = dict(rule.defaults, lr=ulp / 4 / BT)
+    be = TritonBackend()
+    steps = 100
+    for step in range(1, steps + 1):
+        job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
+                        grad_sign=-1.0, stochastic_weight=stochastic,
+                        key_weight=precision.stream_key(0, 0, step, precision.SITE_WEIGHT))
+        be.update(job, dy, x)  # maximize: w += lr * G = +ulp/4
+    torch.cuda.synchronize()
+    change = (w.float() - 1.0) / ulp
+    mean = change.double().mean().item()
+    print(f"quarter-ULP SR={stochastic}: mean change {mean:.4f} ULP (expect {steps / 4 if stochastic else 0})")
+    if stochastic:
+        # per-element std ~ sqrt(100 * 3/16) ULP ~ 4.3; mean of 16.7M elements: std ~ 0.001
+        assert abs(mean - steps / 4) < 0.02, mean
+        assert change.std().item() > 1.0
+    else:
+        assert mean == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BT", GPU_BTS)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_int8_and_bf16_vs_torch_backend(shape, BT):
+    """int8 states (bf16 W, SR) and bf16 states: the kernel against the torch backend on the GPU."""
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    M, N = shape
+    be = TritonBackend()
+    for mode in ("int8", "bf16-sr"):
+        job = make_job("AdamW", mode, M, N, device="cuda", seed=M + BT)
+        dy, x = _gpu_inputs(BT, M, N, seed=BT + 7)
+        ref = copy.deepcopy(job)
+        be.update(job, dy, x)
+        TorchBackend(block_rows=4096).update(ref, dy, x)
+        torch.cuda.synchronize()
+        # gradients differ in summation order only: a few 1-ULP flips of W are allowed
+        assert_weight_close(job.weight, ref.weight, f"{mode} {shape} {BT}", exact_frac=0.95)
+        for va, vb in zip(job.states, ref.states):
+            if va.quantized:
+                da, db = precision.dequantize(va.data, va.scale), precision.dequantize(vb.data, vb.scale)
+                step = torch.maximum(va.scale, vb.scale).repeat_interleave(64, dim=1)[:, :N]
+                assert bool(((da - db).abs() <= step * 1.001 + 1e-30).all())
+                torch.testing.assert_close(va.scale, vb.scale, rtol=1e-3, atol=1e-12)
+            else:
+                assert int(bf16_ulp_diff(va.data, vb.data).max()) <= 1
+        assert int(job.nonfinite) == 0
+        del job, ref, dy, x
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
+def test_gpu_nonfinite_never_written(mode):
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    M, N, BT = 4096, 4096, 512
+    job = make_job("AdamW", mode, M, N, device="cuda", seed=3)
+    dy, x = _gpu_inputs(BT, M, N, seed=5)
+    dy[3, 7] = float("nan")
+    x[5, 11] = float("inf")
+    w0 = job.weight.clone()
+    TritonBackend().update(job, dy, x)
+    torch.cuda.synchronize()
+    assert int(job.nonfinite) == N + M - 1
+    assert torch.isfinite(job.weight.float()).all()
+    for v in job.states:
+        assert torch.isfinite(v.data.float()).all()
+    assert torch.equal(job.weight[7], w0[7]) and torch.equal(job.weight[:, 11], w0[:, 11])
+    assert not torch.equal(job.weight[8], w0[8])
