@@ -148,7 +148,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
-        defaults = dict(defaults, **{k: v for k, v in _TORCH_ONLY_FLAGS.items() if k in ("foreach", "fused")})
+        # torch.optim's own flags ride along in each group so a state_dict loads into torch.optim as is.
+        defaults = dict(defaults, **_TORCH_ONLY_FLAGS)
         super().__init__(params, defaults)
 
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
@@ -430,7 +431,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             quantized = None
             if mode == "int8" and q is not None and scale is not None and q.shape == p.shape:
                 quantized = (q, scale)
-            self._set_state(p, state, spec, value.detach().float(), mode, quantized)
+            # clone: a state_dict holds references to the live tensors of the optimizer that made it
+            self._set_state(p, state, spec, value.detach().float().clone(), mode,
+                            None if quantized is None else tuple(t.clone() for t in quantized))
         if "step" not in state:
             # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken.
             state["step"] = torch.tensor(1.0 if state else 0.0, dtype=torch.float32)
@@ -456,7 +459,7 @@ class AdamW(ForgeOptimizer):
                  maximize=False, **options):
         _no_amsgrad(amsgrad)
         super().__init__(model, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False,
-                                     maximize=maximize), **options)
+                                     maximize=maximize, decoupled_weight_decay=True), **options)
 
 
 class Adam(ForgeOptimizer):

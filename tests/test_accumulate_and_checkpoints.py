@@ -1,0 +1,108 @@
+"""Exact gradient accumulation and state_dict round trips (forge <-> forge, forge <-> torch.optim)."""
+import copy
+import io
+
+import pytest
+import torch
+
+import forge_optim
+from helpers import batches, loss_fn, rel_diff, twin
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("final_outside", [True, False], ids=["last-backward-outside", "all-inside-then-step"])
+def test_accumulate_equals_optimizer_on_summed_gradient(final_outside):
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    data = batches(9)
+    for step in range(3):
+        micro = data[3 * step: 3 * step + 3]
+        for i, b in enumerate(micro):
+            if final_outside and i == len(micro) - 1:
+                loss_fn(model, b).backward()  # applies the update with buffer + this gradient
+            else:
+                with opt.accumulate():
+                    loss_fn(model, b).backward()
+        opt.step()
+        opt.zero_grad()
+        for b in micro:
+            loss_fn(ref_model, b).backward()
+        ref.step()
+        ref.zero_grad()
+        assert all(h.buffer is None for h in opt._handles.values())  # buffer lives only in the window
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def _train(model, opt, data):
+    for b in data:
+        loss_fn(model, b).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("name", ["AdamW", "NAdam", "SGD"])
+def test_resume_is_identical_to_uninterrupted(name, state_dtype):
+    kw = dict(lr=1e-2, momentum=0.9) if name == "SGD" else dict(lr=1e-2)
+    cls = getattr(forge_optim, name)
+    data = batches(6)
+    model, resumed = twin()
+    opt = cls(model, state_dtype=state_dtype, **kw)
+    _train(model, opt, data[:3])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    _train(model, opt, data[3:])
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = cls(resumed, state_dtype=state_dtype, **kw)
+    opt2.load_state_dict(ckpt["opt"])
+    _train(resumed, opt2, data[3:])
+    assert rel_diff(model, resumed) == 0.0
+
+
+def test_int8_state_dict_exports_dequantized_and_keeps_quantized():
+    model, _ = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="int8")
+    _train(model, opt, batches(2))
+    sd = opt.state_dict()
+    st = sd["state"][0]
+    assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_q"].dtype == torch.int8
+    assert st["exp_avg_sq_q"].dtype == torch.uint8 and "exp_avg_sq_scale" in st
+    assert st["exp_avg"].shape == next(model.parameters()).shape
+
+
+def test_checkpoint_moves_from_forge_to_torch_and_back():
+    data = batches(6)
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    _train(model, opt, data[:2])
+    _train(ref_model, ref, data[:2])
+
+    # forge -> torch: continue the forge run with torch.optim
+    torch_model = copy.deepcopy(ref_model)
+    torch_model.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as if saved to disk
+    # torch -> forge: continue the torch run with forge
+    forge_model = copy.deepcopy(ref_model)
+    forge_opt = forge_optim.AdamW(forge_model, lr=1e-2)
+    forge_opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+
+    for m, o in ((model, opt), (ref_model, ref), (torch_model, torch_opt), (forge_model, forge_opt)):
+        _train(m, o, data[2:])
+    assert rel_diff(torch_model, ref_model) <= TOL
+    assert rel_diff(forge_model, ref_model) <= TOL
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_load_rejects_mismatched_groups():
+    model, other = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    two = forge_optim.AdamW(other, params=[{"params": [other.up.weight]}, {"params": [other.head.weight]}])
+    with pytest.raises(ValueError, match="parameter groups"):
+        opt.load_state_dict(two.state_dict())

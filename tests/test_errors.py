@@ -1,0 +1,80 @@
+"""Bad input gets a clear error that names the problem and the fix, and changes nothing."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import forge_optim
+
+
+def test_model_must_come_first():
+    lin = nn.Linear(3, 3)
+    with pytest.raises(TypeError, match="takes the model first"):
+        forge_optim.AdamW(lin.parameters(), lr=1e-3)
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(TypeError, match="unknown option 'betaz'.*betas"):
+        forge_optim.AdamW(nn.Linear(3, 3), betaz=(0.9, 0.99))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(lr=-1.0), "invalid lr"),
+    (dict(betas=(0.9, 1.5)), "beta"),
+    (dict(state_dtype="fp8"), "state_dtype"),
+    (dict(backend="cuda"), "backend must be one of"),
+    (dict(nonfinite="ignore"), "nonfinite"),
+    (dict(amsgrad=True), "amsgrad"),
+])
+def test_bad_hyper_parameters(kw, match):
+    lin = nn.Linear(3, 3)
+    w = lin.weight.detach().clone()
+    with pytest.raises((ValueError, TypeError), match=match):
+        forge_optim.AdamW(lin, **kw)
+    assert type(lin) is nn.Linear and torch.equal(lin.weight, w)  # nothing patched, nothing changed
+
+
+def test_fp16_weights_are_refused():
+    with pytest.raises(ValueError, match="float16.*bfloat16"):
+        forge_optim.AdamW(nn.Linear(3, 3).half())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_triton_backend_without_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="no CUDA device.*TRITON_INTERPRET=1"):
+        forge_optim.AdamW(nn.Linear(3, 3), backend="triton")
+
+
+def test_double_patching_is_refused():
+    lin = nn.Sequential(nn.Linear(3, 3))
+    forge_optim.AdamW(lin)
+    with pytest.raises(ValueError, match="already fused"):
+        forge_optim.SGD(lin)
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_ddp_is_refused_with_the_reason(process_group):
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="DistributedDataParallel.*partial gradient.*tensor/sequence parallelism"):
+        forge_optim.AdamW(model)
+
+
+def test_fsdp2_is_refused(process_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    with pytest.raises(ValueError, match="FSDP"):
+        forge_optim.AdamW(model)

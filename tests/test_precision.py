@@ -1,0 +1,134 @@
+"""bf16 / int8 stores: stochastic rounding is unbiased, int8 and bf16 states stay within their bounds."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import forge_optim
+from forge_optim import precision
+from forge_optim.backends import StateView, UpdateJob, apply_update
+from forge_optim.rules import AdamW as AdamWRule
+from helpers import batches, loss_fn, rel_diff, twin
+
+QUARTER_ULP = 2.0**-10  # bf16 ULP on [0.5, 1) is 2**-8
+
+
+def _quarter_ulp_run(stochastic: bool, steps=100):
+    """SGD(lr=1) on a bf16 weight of 0.75 whose gradient is a quarter ULP, through the fused layer."""
+    lin = nn.Linear(256, 64, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.fill_(0.75)
+    forge_optim.SGD(lin, lr=1.0, stochastic_rounding=stochastic, seed=123)
+    x = torch.ones(1, 256, dtype=torch.bfloat16)
+    for _ in range(steps):
+        (lin(x).float().sum() * QUARTER_ULP).backward()  # dY = 2**-10, X = 1: G = quarter ULP
+    return (lin.weight.float() - 0.75).mean().item()
+
+
+def test_stochastic_rounding_is_unbiased_at_a_quarter_ulp():
+    expected = -100 * QUARTER_ULP  # what an fp32 master weight would move: -0.0977
+    moved = _quarter_ulp_run(stochastic=True)
+    assert abs(moved - expected) < 0.01 * abs(expected), (moved, expected)
+
+
+def test_round_to_nearest_loses_a_quarter_ulp_update():
+    assert _quarter_ulp_run(stochastic=False) == 0.0
+
+
+def test_stochastic_rounding_is_reproducible_per_seed():
+    a, b = _quarter_ulp_run(True, steps=10), _quarter_ulp_run(True, steps=10)
+    assert a == b
+
+
+def test_to_bf16_brackets_and_keeps_specials():
+    x = torch.randn(10000) * 3
+    x[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    offs = torch.arange(x.numel())
+    y = precision.to_bf16(x, True, key=99, offsets=offs).float()
+    down = x.to(torch.bfloat16).float()
+    assert torch.isinf(y[:2]).all() and torch.isnan(y[2])
+    f = x[3:]
+    lo = torch.minimum(f.abs(), y[3:].abs())
+    # result is one of the two bf16 neighbours of x: |y - x| < 1 ULP(x) <= 2**-7 |x|
+    assert ((y[3:] - f).abs() <= f.abs() * 2.0**-7 + 1e-30).all()
+    assert (torch.sign(y[3:]) == torch.sign(f)).all() and lo.min() >= 0
+    assert not torch.equal(y[3:], down[3:])  # stochastic, not nearest
+
+
+@pytest.mark.parametrize("nonnegative", [False, True])
+def test_int8_quantization_error_is_half_a_step(nonnegative):
+    x = torch.randn(7, 150).abs() if nonnegative else torch.randn(7, 150)
+    x[0, :64] *= 1000  # an outlier block inflates only its own scale
+    q, scale = precision.quantize(x, nonnegative)
+    back = precision.dequantize(q, scale)
+    step = scale.repeat_interleave(64, dim=1)[:, :150]
+    err = (back - x).abs()
+    if nonnegative:  # floored: a positive value may read back as one step
+        assert (err <= step + 1e-12).all() and (back[x > 0] > 0).all()
+    else:
+        assert (err <= step / 2 + 1e-6 * step).all()
+    assert q.dtype == (torch.uint8 if nonnegative else torch.int8)
+
+
+def _adamw_state_trajectory(mode: str, grads, beta1=0.9, beta2=0.99):
+    """Run the AdamW rule on a fixed gradient stream; return [(m, v)] per step, dequantized."""
+    shape = grads[0].shape
+    w = torch.zeros(shape)
+    group = dict(lr=1e-3, betas=(beta1, beta2), eps=1e-8, weight_decay=0.0)
+    views = []
+    for spec in AdamWRule.state_specs(group):
+        if mode == "int8":
+            q, s = precision.quantize(torch.zeros(shape), spec.nonnegative)
+            views.append(StateView(spec, q, s))
+        else:
+            views.append(StateView(spec, torch.zeros(shape, dtype=torch.bfloat16 if mode == "bf16" else torch.float32)))
+    out = []
+    for t, g in enumerate(grads, start=1):
+        job = UpdateJob(weight=w, rule=AdamWRule, coeffs=AdamWRule.padded(AdamWRule.coefficients(group, {}, t)),
+                        states=views, stochastic_state=True,
+                        key_states=(precision.stream_key(0, 0, t, 1), precision.stream_key(0, 0, t, 2), 0))
+        apply_update(job, g)
+        out.append(tuple(precision.dequantize(v.data, v.scale) if v.quantized else v.data.float().clone() for v in views))
+    return out
+
+
+def test_int8_and_bf16_states_stay_within_their_bounds():
+    torch.manual_seed(0)
+    beta1, beta2 = 0.9, 0.99
+    grads = [torch.randn(16, 128) * (1 + 0.1 * t) for t in range(60)]
+    exact = _adamw_state_trajectory("fp32", grads, beta1, beta2)
+    int8 = _adamw_state_trajectory("int8", grads, beta1, beta2)
+    bf16 = _adamw_state_trajectory("bf16", grads, beta1, beta2)
+    max_m = max(m.abs().max().item() for m, _ in exact)
+    max_v = max(v.abs().max().item() for _, v in exact)
+    # int8: each store errs by <= s/2 (m, s = absmax/127) or <= s (v, floored, s = absmax/255); errors decay
+    # geometrically: |m~ - m| <= s_max / (2 (1 - beta1)), |v~ - v| <= s_max / (1 - beta2) (Appendix B).
+    bound_m = (1.05 * max_m / 127) / (2 * (1 - beta1))
+    bound_v = (1.05 * max_v / 255) / (1 - beta2)
+    for (m, v), (mq, vq) in zip(exact, int8):
+        assert (mq - m).abs().max() <= bound_m
+        assert (vq - v).abs().max() <= bound_v
+    # bf16 with stochastic rounding: each store errs by < 1 ULP <= 2**-7 |value|
+    for (m, v), (mb, vb) in zip(exact, bf16):
+        assert (mb - m).abs().max() <= 2.0**-7 * 1.05 * max_m / (1 - beta1)
+        assert (vb - v).abs().max() <= 2.0**-7 * 1.05 * max_v / (1 - beta2)
+    # and in practice far inside: the RMS error of m is about one quantization step
+    rms = ((int8[-1][0] - exact[-1][0]).pow(2).mean().sqrt()).item()
+    assert rms <= max_m / 127
+
+
+@pytest.mark.parametrize("state_dtype,bound", [("bf16", 0.02), ("int8", 0.05)])
+def test_low_precision_state_trajectory_stays_close_to_fp32_state(state_dtype, bound):
+    """Whole-model check (fp32 weights, 20 AdamW steps): weights drift from the fp32-state run by at most
+    ``bound`` of the distance they travelled (README: bf16 state 2%, int8 state 5%)."""
+    model, ref_model = twin()
+    start = [p.detach().clone() for p in ref_model.parameters()]
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype=state_dtype)
+    ref = forge_optim.AdamW(ref_model, lr=1e-2, state_dtype="fp32")
+    for b in batches(20):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_fn(m, b).backward(); o.step(); o.zero_grad()
+    moved = math.sqrt(sum((p - s).pow(2).sum().item() for p, s in zip(ref_model.parameters(), start)))
+    drift = math.sqrt(sum((p - q).pow(2).sum().item() for p, q in zip(model.parameters(), ref_model.parameters())))
+    assert drift <= bound * moved, (drift / moved)
