@@ -178,21 +178,27 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if self.param_groups[-1].get("amsgrad", False):
             raise ValueError("amsgrad=True is not supported by forge_optim")
 
+    def _locate(self, p: torch.Tensor) -> tuple[int, int]:
+        """(group index, flat parameter index) of ``p``; cached, rebuilt when the groups change."""
+        cache = self.__dict__.get("_where")
+        key = tuple(id(g["params"]) for g in self.param_groups) + tuple(len(g["params"]) for g in self.param_groups)
+        if cache is None or cache[0] != key:
+            where, i = {}, 0
+            for gi, group in enumerate(self.param_groups):
+                for q in group["params"]:
+                    where[id(q)] = (gi, i)
+                    i += 1
+            cache = self._where = (key, where)
+        try:
+            return cache[1][id(p)]
+        except KeyError:
+            raise KeyError("parameter is not in this optimizer") from None
+
     def _group_of(self, p: torch.Tensor) -> dict:
-        for group in self.param_groups:
-            for q in group["params"]:
-                if q is p:
-                    return group
-        raise KeyError("parameter is not in this optimizer")
+        return self.param_groups[self._locate(p)[0]]
 
     def _index_of(self, p: torch.Tensor) -> int:
-        i = 0
-        for group in self.param_groups:
-            for q in group["params"]:
-                if q is p:
-                    return i
-                i += 1
-        raise KeyError("parameter is not in this optimizer")
+        return self._locate(p)[1]
 
     # ----- what is fused ------------------------------------------------------------------------
     def fused_modules(self) -> dict[str, nn.Module]:
