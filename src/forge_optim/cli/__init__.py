@@ -1,0 +1,4 @@
+"""Command line: ``forge-optim train`` (the main job) and ``forge-optim bench``."""
+from .main import main
+
+__all__ = ["main"]

@@ -1,0 +1,49 @@
+"""Entry point of the ``forge-optim`` console script.
+
+    forge-optim train [flags]   train a small Llama-style LM on CPU or GPU (see ``train --help``)
+    forge-optim bench           not implemented yet (issue 5)
+
+``main(argv)`` returns the exit status; the console script passes it to ``sys.exit``.
+Heavy imports (torch, transformers) happen only inside the subcommand that needs them.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    print("forge-optim bench: not implemented yet (issue 5)")
+    return 2
+
+
+def _train(ns: argparse.Namespace) -> int:
+    from .train import run_parsed
+    return run_parsed(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .train import add_arguments
+
+    p = argparse.ArgumentParser(prog="forge-optim", description="FORGE: optimizer updates fused into "
+                                "the weight-gradient GEMM of nn.Linear layers.")
+    sub = p.add_subparsers(dest="command", metavar="{train,bench}")
+    sub.required = True
+    t = sub.add_parser("train", help="train a small Llama-style causal LM (synthetic data, no download)",
+                       description="Train a small Llama-style causal LM with a forge_optim optimizer "
+                       "(or the torch.optim.AdamW baseline) and write metrics.jsonl, loss.png and "
+                       "config.json to a run folder.")
+    add_arguments(t)
+    t.set_defaults(func=_train)
+    b = sub.add_parser("bench", help="benchmark (not implemented yet)")
+    b.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
