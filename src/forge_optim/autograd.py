@@ -2,8 +2,20 @@
 (dY, X) to the weight's :class:`~forge_optim.optim.FusedWeight`, which updates W in place.
 
 The weight gradient is never returned to autograd, so a fused weight's ``.grad`` stays None.
+
+Two forms of the same thing:
+- eager: :class:`FusedLinearFunction` (an autograd.Function); a graph that is never
+  backpropagated releases its pending use when it is freed.
+- under torch.compile: the ``forge_optim::fused_linear`` custom op with a registered autograd
+  formula whose backward is the opaque, mutating ``forge_optim::fused_linear_backward`` op. That op
+  computes dX *and then* updates the weight, so no compiler can reorder the dX GEMM after the
+  update (invariant 1). The weight reaches it as a non-persistent buffer that aliases the
+  parameter's storage: torch 2.11's inductor refuses a mutation of the autograd leaf itself.
 """
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -61,3 +73,81 @@ class FusedLinearFunction(torch.autograd.Function):
 def fused_linear(x, weight, bias, handle):
     """Apply the fused linear; counts this call as a pending use of ``weight`` (invariant 2)."""
     return FusedLinearFunction.apply(x, weight, bias, handle, handle.new_use())
+
+
+# ----- torch.compile form -------------------------------------------------------------------------
+_HANDLES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
+
+
+def register_handle(handle) -> int:
+    """An integer id for ``handle``: custom ops take ints, not Python objects."""
+    hid = next(_NEXT_ID)
+    _HANDLES[hid] = handle
+    return hid
+
+
+def _handle(hid: int):
+    h = _HANDLES.get(hid)
+    if h is None:
+        raise RuntimeError(f"forge_optim: fused layer #{hid} has no optimizer any more (was it unpatched?)")
+    return h
+
+
+@torch.library.custom_op("forge_optim::fused_linear", mutates_args=())
+def fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_alias: torch.Tensor,
+                    handle_id: int) -> torch.Tensor:
+    _handle(handle_id).count_use()
+    return F.linear(x, weight, bias)
+
+
+@fused_linear_op.register_fake
+def _fused_linear_fake(x, weight, bias, weight_alias, handle_id):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("forge_optim::fused_linear_backward", mutates_args=("weight_alias",))
+def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             weight_alias: torch.Tensor, handle_id: int, needs_dx: bool) -> torch.Tensor:
+    """dX = dY W with the old W, then the fused update of ``weight_alias`` (the parameter's storage)."""
+    dx = (grad_out.to(weight.dtype) @ weight).to(x.dtype) if needs_dx else x.new_empty(0)
+    h = _handle(handle_id)
+    h.release_one()
+    h.consume(grad_out.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), None)
+    return dx
+
+
+@fused_linear_backward_op.register_fake
+def _fused_linear_backward_fake(grad_out, x, weight, weight_alias, handle_id, needs_dx):
+    return x.new_empty(x.shape) if needs_dx else x.new_empty(0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, weight_alias, handle_id = inputs
+    ctx.save_for_backward(x, weight, weight_alias)
+    ctx.handle_id = handle_id
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad_out):
+    x, weight, weight_alias = ctx.saved_tensors
+    needs_dx = ctx.needs_input_grad[0]
+    dx = torch.ops.forge_optim.fused_linear_backward(grad_out, x, weight, weight_alias, ctx.handle_id, needs_dx)
+    db = None
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = grad_out.reshape(-1, weight.shape[0]).sum(0)
+    return (dx if needs_dx else None), None, db, None, None
+
+
+fused_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_linear_traceable(x, weight, bias, weight_alias, handle_id: int):
+    """The form torch.compile traces: autocast casts happen here, outside the op, so the op saves
+    the operands its gradient is made of."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x, weight = x.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    return torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)

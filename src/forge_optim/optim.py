@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from . import patch, precision
-from .autograd import Use
+from .autograd import Use, register_handle
 from .backends import BACKEND_NAMES, StateView, TorchBackend, UpdateJob, apply_update, make_backend, triton_available
 from .rules import Rule
 from .rules import base as rule_base
@@ -47,6 +47,7 @@ class FusedWeight:
         self.nonfinite: torch.Tensor | None = None
         self._raised_at = 0
         self.attached = True
+        self.id = register_handle(self)  # how the compiled form's custom ops find this handle
 
     # A copied or pickled model carries no link to this optimizer: its module runs unfused.
     def __deepcopy__(self, memo):
@@ -76,6 +77,19 @@ class FusedWeight:
         else:
             kind = None  # non-reentrant checkpoint recompute: the original forward is counted
         return Use(self, kind)
+
+    def count_use(self) -> None:
+        """The compiled form's forward: same counting, no Use object (ops return tensors only)."""
+        if torch._C._current_graph_task_id() == -1:
+            self.pending_fwd += 1
+        elif self.pending_fwd == 0:
+            self.pending_rec += 1
+
+    def release_one(self) -> None:
+        if self.pending_fwd:
+            self.pending_fwd -= 1
+        elif self.pending_rec:
+            self.pending_rec -= 1
 
     def release(self, kind: str) -> None:
         if kind == "fwd":

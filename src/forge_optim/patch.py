@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .autograd import fused_linear
+from .autograd import fused_linear, fused_linear_traceable
 
 
 class ForgeLinear(nn.Linear):
@@ -25,7 +25,16 @@ class ForgeLinear(nn.Linear):
         h = self._forge_handle
         if h is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return fused_linear_traceable(x, self.weight, self.bias, self._forge_weight_alias, h.id)
         return fused_linear(x, self.weight, self.bias, h)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.cuda() may give the weight new storage: re-make the alias the compiled form mutates.
+        out = super()._apply(fn, *args, **kwargs)
+        if "_forge_weight_alias" in self._buffers:
+            self._buffers["_forge_weight_alias"] = self.weight.data
+        return out
 
     def extra_repr(self) -> str:
         h = self._forge_handle
@@ -99,11 +108,14 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
 def attach(mod: nn.Linear, handle) -> None:
     mod.__class__ = ForgeLinear
     mod._forge_handle = handle
+    # Non-persistent: not in state_dict; shares the weight's storage (see autograd.py for why).
+    mod.register_buffer("_forge_weight_alias", mod.weight.data, persistent=False)
 
 
 def detach(mod: nn.Module) -> None:
     if isinstance(mod, ForgeLinear):
         mod.__dict__.pop("_forge_handle", None)
+        mod._buffers.pop("_forge_weight_alias", None)
         mod.__class__ = nn.Linear
 
 

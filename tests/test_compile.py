@@ -1,0 +1,67 @@
+"""torch.compile: the fused linear traces as custom ops, with no graph break, and stays exact."""
+import copy
+
+import pytest
+import torch
+
+import forge_optim
+from helpers import rel_diff
+
+transformers = pytest.importorskip("transformers")
+from test_hf import hf_batches, tiny_llama  # noqa: E402
+
+TOL = 1e-5
+
+
+def _train_pair(compiled_autograd=False, steps=5):
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    cmodel, cref = torch.compile(model), torch.compile(ref_model)
+    torch._dynamo.reset()
+    old = torch._dynamo.config.compiled_autograd
+    torch._dynamo.config.compiled_autograd = compiled_autograd
+    try:
+        for ids in hf_batches(steps):
+            for m, o in ((cmodel, opt), (cref, ref)):
+                m(input_ids=ids, labels=ids).loss.backward()
+                o.step()
+                o.zero_grad()
+    finally:
+        torch._dynamo.config.compiled_autograd = old
+    return model, ref_model, opt
+
+
+@pytest.mark.slow
+def test_compiled_forge_matches_compiled_torch_adamw():
+    model, ref_model, opt = _train_pair()
+    # same compiled numerics on both sides: the only difference left is the optimizer's
+    assert rel_diff(model, ref_model) <= TOL
+    for h in opt._handles.values():
+        assert h.pending_fwd == 0 and h.pending_rec == 0 and h.buffer is None
+        assert h.param.grad is None
+
+
+@pytest.mark.slow
+def test_compiled_autograd_works():
+    model, ref_model, _ = _train_pair(compiled_autograd=True, steps=3)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_no_graph_break_in_a_fused_model():
+    model = tiny_llama()
+    forge_optim.AdamW(model, lr=1e-2)
+    ids = hf_batches(1)[0]
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def test_alias_follows_the_weight_storage():
+    lin = torch.nn.Linear(4, 4)
+    forge_optim.AdamW(lin)
+    lin.to(torch.float64).to(torch.float32)  # new storage
+    assert lin._forge_weight_alias.data_ptr() == lin.weight.data_ptr()
+    assert "_forge_weight_alias" not in lin.state_dict()
