@@ -54,9 +54,9 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
 
 
 @jit
-def _hash16(lin, key):
+def _hash16(off_u32, key):
     """16 random bits per element: hash32((offset + key) mod 2**32) & 0xFFFF (precision.random16)."""
-    h = lin.to(tl.uint32) + key.to(tl.uint32)
+    h = off_u32 + key.to(tl.uint32)
     h = ((h >> 16) ^ h) * 0x045D9F3B
     h = ((h >> 16) ^ h) * 0x045D9F3B
     h = (h >> 16) ^ h
@@ -64,11 +64,11 @@ def _hash16(lin, key):
 
 
 @jit
-def _to_bf16(x, lin, key, SR: tl.constexpr, INTERPRET: tl.constexpr):
+def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr):
     """fp32 -> bf16, stochastic (add 16 hashed bits, truncate) or round-to-nearest-even."""
     if SR:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + _hash16(lin, key)) & 0xFFFF0000
+        bits = (bits + _hash16(hoff, key)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
         if INTERPRET:  # the interpreter's cast truncates: round the bit pattern first
@@ -107,13 +107,13 @@ def _load_state(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
 
 
 @jit
-def _store_state(s_ptr, sc_ptr, value, lin, mask, offs_m, sb_idx, M, NSB, key,
+def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, key,
                  KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr):
     if KIND == 1:
         tl.store(s_ptr + lin, value, mask=mask)
     elif KIND == 2:
-        tl.store(s_ptr + lin, _to_bf16(value, lin, key, SR, INTERPRET), mask=mask)
+        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET), mask=mask)
     elif KIND == 3 or KIND == 4:
         NB: tl.constexpr = BN // 64
         x = tl.reshape(tl.where(mask, value, 0.0), (BM, NB, 64))
@@ -137,7 +137,7 @@ def _store_state(s_ptr, sc_ptr, value, lin, mask, offs_m, sb_idx, M, NSB, key,
 
 
 @jit
-def _epilogue(acc, offs_m, offs_n, col0,
+def _epilogue(acc, row0, col0,
               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr,
               M, N, NSB,
               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
@@ -145,21 +145,34 @@ def _epilogue(acc, offs_m, offs_n, col0,
               W_BF16: tl.constexpr, W_SR: tl.constexpr,
               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
               INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Update the [BM, BN] block at (row0, col0) of W and its states from the fp32 gradient acc.
+
+    Addresses are a 64-bit scalar tile base plus 32-bit in-tile offsets (fewer registers).
+    """
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = col0 + tl.arange(0, BN)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    lin = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    base = row0.to(tl.int64) * N + col0
+    rel = tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :]
     if MODE == 1:
-        b = tl.load(buf_ptr + lin, mask=mask, other=0.0)
-        tl.store(buf_ptr + lin, b + acc, mask=mask)
+        b = tl.load(buf_ptr + base + rel, mask=mask, other=0.0)
+        tl.store(buf_ptr + base + rel, b + acc, mask=mask)
     else:
         g = acc
         if HAS_BUF:
-            g = g + tl.load(buf_ptr + lin, mask=mask, other=0.0)
+            g = g + tl.load(buf_ptr + base + rel, mask=mask, other=0.0)
         g = g * grad_sign
+        # linear offset of each element in the whole weight, mod 2**32 (hash input for SR)
+        hoff = rel.to(tl.uint32) + base.to(tl.uint32)
         sb_idx = col0 // 64 + tl.arange(0, BN // 64)
-        w_old = tl.load(w_ptr + lin, mask=mask, other=0.0).to(tl.float32)
-        s0_old = _load_state(s0_ptr, sc0_ptr, lin, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
-        s1_old = _load_state(s1_ptr, sc1_ptr, lin, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
-        s2_old = _load_state(s2_ptr, sc2_ptr, lin, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
+        w_t = w_ptr + base
+        s0_t = s0_ptr + base
+        s1_t = s1_ptr + base
+        s2_t = s2_ptr + base
+        w_old = tl.load(w_t + rel, mask=mask, other=0.0).to(tl.float32)
+        s0_old = _load_state(s0_t, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
+        s1_old = _load_state(s1_t, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
+        s2_old = _load_state(s2_t, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
         w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old,
                                                c0, c1, c2, c3, c4, c5, c6, c7)
         finite = tl.abs(g) < float("inf")  # False for NaN and +-Inf
@@ -169,34 +182,43 @@ def _epilogue(acc, offs_m, offs_n, col0,
             if bad > 0:
                 tl.atomic_add(nf_ptr, bad.to(tl.int64))
         if W_BF16:
-            tl.store(w_ptr + lin, _to_bf16(w_new, lin, key_w, W_SR, INTERPRET), mask=mask)
+            tl.store(w_t + rel, _to_bf16(w_new, hoff, key_w, W_SR, INTERPRET), mask=mask)
         else:
-            tl.store(w_ptr + lin, w_new, mask=mask)
+            tl.store(w_t + rel, w_new, mask=mask)
         if S0 != 0:
             s0_new = tl.where(finite, s0_new, s0_old)
-            _store_state(s0_ptr, sc0_ptr, s0_new, lin, mask, offs_m, sb_idx, M, NSB, key_s0,
+            _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s0,
                          S0, S_SR, INTERPRET, BM, BN)
         if S1 != 0:
             s1_new = tl.where(finite, s1_new, s1_old)
-            _store_state(s1_ptr, sc1_ptr, s1_new, lin, mask, offs_m, sb_idx, M, NSB, key_s1,
+            _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s1,
                          S1, S_SR, INTERPRET, BM, BN)
         if S2 != 0:
             s2_new = tl.where(finite, s2_new, s2_old)
-            _store_state(s2_ptr, sc2_ptr, s2_new, lin, mask, offs_m, sb_idx, M, NSB, key_s2,
+            _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s2,
                          S2, S_SR, INTERPRET, BM, BN)
 
 
 @jit
+def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
+    """[BM, BN] -> rows [0, BM/2) and [BM/2, BM)."""
+    t = tl.permute(tl.reshape(acc, (2, BM // 2, BN)), (1, 2, 0))
+    return tl.split(t)
+
+
+# BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
+# specialize on them, or a key that happens to be divisible by 16 would trigger a recompile.
+@jit(do_not_specialize=["BT", "M", "NSB", "NUM_PROGS", "key_w", "key_s0", "key_s1", "key_s2"])
 def forge_fused_kernel(
         dy_ptr, x_ptr, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr,
-        BT, M, N, NSB,
+        BT, M, N, NSB, NUM_PROGS,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
         UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
         W_BF16: tl.constexpr, W_SR: tl.constexpr,
         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
         DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        NUM_PROGS: tl.constexpr, EPI_SPLIT: tl.constexpr):
+        EPI_SPLIT: tl.constexpr):
     """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -228,21 +250,42 @@ def forge_fused_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
-        if EPI_SPLIT == 2:
-            HALF: tl.constexpr = BN // 2
-            acc3 = tl.permute(tl.reshape(acc, (BM, 2, HALF)), (0, 2, 1))
-            acc_lo, acc_hi = tl.split(acc3)
-            offs_lo = pid_n * BN + tl.arange(0, HALF)
-            _epilogue(acc_lo, offs_m, offs_lo, pid_n * BN,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, HALF)
-            _epilogue(acc_hi, offs_m, offs_lo + HALF, pid_n * BN + HALF,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, HALF)
-        else:
-            _epilogue(acc, offs_m, offs_n, pid_n * BN,
+        row0 = pid_m * BM
+        col0 = pid_n * BN
+        if EPI_SPLIT == 1:
+            _epilogue(acc, row0, col0,
                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)
+        elif EPI_SPLIT == 2:
+            H: tl.constexpr = BM // 2
+            a0, a1 = _split_rows(acc, BM, BN)
+            _epilogue(a0, row0, col0,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
+            _epilogue(a1, row0 + H, col0,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
+        else:  # 4 row quarters
+            Q: tl.constexpr = BM // 4
+            a0, a1 = _split_rows(acc, BM, BN)
+            a00, a01 = _split_rows(a0, BM // 2, BN)
+            a10, a11 = _split_rows(a1, BM // 2, BN)
+            _epilogue(a00, row0, col0,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+            _epilogue(a01, row0 + Q, col0,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+            _epilogue(a10, row0 + 2 * Q, col0,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+            _epilogue(a11, row0 + 3 * Q, col0,
+                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)

@@ -28,12 +28,14 @@ class KernelConfig:
     num_stages: int = 3
     group_size: int = 8
     progs_per_sm: int = 1  # persistent grid = min(tiles, SMs * progs_per_sm)
-    epi_split: int = 1  # 2: run the epilogue on two [BM, BN/2] halves (fewer live registers)
+    epi_split: int = 1  # 1, 2 or 4: run the epilogue on row slices [BM/epi_split, BN] (fewer live registers)
     use_tma: bool = True  # only taken where Hopper TMA is available and the strides allow it
 
     def __post_init__(self):
-        if self.BN % 64 != 0 or (self.BN // self.epi_split) % 64 != 0:
-            raise ValueError(f"BN={self.BN} (split {self.epi_split}) must be a multiple of 64 per epilogue part")
+        if self.BN % 64 != 0:
+            raise ValueError(f"BN={self.BN} must be a multiple of 64 (int8 scale blocks)")
+        if self.epi_split not in (1, 2, 4) or self.BM % (self.epi_split * 16) != 0:
+            raise ValueError(f"epi_split={self.epi_split} must be 1, 2 or 4 and leave >= 16 rows per slice")
 
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
@@ -48,20 +50,23 @@ INTERPRET_CONFIG = KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, 
 # more programs per SM (one tile's epilogue overlaps another's mainloop) and narrower tiles.
 # Large BT: the GEMM dominates, so wide tiles and deep pipelines.
 SMALL_BT_CONFIGS = (
-    KernelConfig(128, 128, 64, 8, 3, 8, 1, 1),
-    KernelConfig(128, 128, 64, 8, 3, 8, 2, 1),
-    KernelConfig(128, 128, 64, 8, 3, 8, 2, 2),
-    KernelConfig(64, 128, 64, 4, 4, 8, 2, 1),
-    KernelConfig(128, 64, 64, 4, 4, 8, 2, 1),
-    KernelConfig(128, 256, 64, 8, 3, 8, 1, 2),
+    KernelConfig(128, 128, 64, 8, 3, 8, 1, 4),
+    KernelConfig(128, 128, 64, 8, 3, 8, 2, 4),
+    KernelConfig(128, 128, 64, 8, 3, 8, 1, 2),
+    KernelConfig(64, 128, 64, 4, 4, 8, 2, 2),
+    KernelConfig(64, 128, 64, 4, 4, 8, 2, 4),
+    KernelConfig(128, 64, 64, 4, 4, 8, 2, 4),
 )
 LARGE_BT_CONFIGS = (
-    KernelConfig(128, 256, 64, 8, 3, 8, 1, 2),
-    KernelConfig(128, 256, 64, 8, 4, 8, 1, 2),
-    KernelConfig(128, 128, 64, 8, 4, 8, 1, 1),
-    KernelConfig(128, 128, 64, 8, 4, 8, 2, 2),
-    KernelConfig(256, 128, 64, 8, 3, 8, 1, 1),
+    KernelConfig(128, 256, 64, 8, 3, 8, 1, 4),
+    KernelConfig(128, 256, 64, 8, 4, 8, 1, 4),
+    KernelConfig(128, 128, 64, 8, 4, 8, 1, 4),
+    KernelConfig(256, 128, 64, 8, 3, 8, 1, 4),
+    KernelConfig(128, 128, 64, 8, 5, 8, 1, 4),
 )
+
+
+GPU_TEST_CONFIG = SMALL_BT_CONFIGS[0]
 
 
 def candidate_configs(bt: int) -> tuple[KernelConfig, ...]:
@@ -161,7 +166,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
     fused.forge_fused_kernel[(nprogs,)](
         dy, x, weight, ptrs[0], ptrs[1], ptrs[2], scales[0], scales[1], scales[2],
         buf if buf is not None else dummy, nonfinite if nonfinite is not None else dummy,
-        BT, M, N, nsb,
+        BT, M, N, nsb, nprogs,
         c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
         int(key_weight) & 0x7FFFFFFF, int(key_states[0]) & 0x7FFFFFFF, int(key_states[1]) & 0x7FFFFFFF,
         int(key_states[2]) & 0x7FFFFFFF,
@@ -171,7 +176,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         W_BF16=w_bf16 and not accumulate, W_SR=bool(stochastic_weight),
         S0=0 if accumulate else kinds[0], S1=0 if accumulate else kinds[1], S2=0 if accumulate else kinds[2],
         S_SR=bool(stochastic_state), DOT_PREC=dot_prec, INTERPRET=interp, USE_TMA=use_tma,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size, NUM_PROGS=nprogs,
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
         EPI_SPLIT=cfg.epi_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -233,4 +238,76 @@ def _parse_cfg(text: str) -> dict:
     for part in text.split(","):
         k, v = part.split("=")
         out[k.strip()] = (v.strip().lower() in ("1", "true")) if k.strip() == "use_tma" else int(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel warm-up of Triton's on-disk cache: each (config, variant) takes seconds to compile and
+# the compiler is single-threaded, so a tuner that tries many configs for several state layouts
+# spends most of its time compiling. Worker processes compile them side by side on a tiny problem
+# with the same specialization (N divisible by 16; BT, M, NSB and the keys are never specialized).
+
+def _precompile_one(spec: dict) -> str:
+    import time
+
+    from ..backends.base import StateView
+    from ..rules import RULES
+    from ..rules.base import StateSpec
+
+    t0 = time.time()
+    M, N, BT = 256, 1024, 64
+    dev = "cuda"
+    cfg = KernelConfig(**spec["config"])
+    in_dtype = getattr(torch, spec.get("in_dtype", "bfloat16"))
+    dy = torch.randn(BT, M, device=dev).to(in_dtype)
+    x = torch.randn(BT, N, device=dev).to(in_dtype)
+    mode = spec.get("mode", fused.MODE_UPDATE)
+    if mode == fused.MODE_ACCUMULATE:
+        launch(weight=torch.zeros(M, N, device=dev), dy=dy, x=x, mode=mode, config=cfg)
+    else:
+        w = torch.randn(M, N, device=dev).to(getattr(torch, spec.get("w_dtype", "bfloat16")))
+        views = []
+        for slot, kind in enumerate(spec["kinds"]):
+            if kind == fused.S_NONE:
+                views.append(None)
+                continue
+            sp = StateSpec(f"s{slot}", slot, nonnegative=kind == fused.S_UINT8)
+            if kind in (fused.S_INT8, fused.S_UINT8):
+                dt = torch.uint8 if kind == fused.S_UINT8 else torch.int8
+                views.append(StateView(sp, torch.ones(M, N, device=dev, dtype=dt),
+                                       torch.ones(M, (N + 63) // 64, device=dev)))
+            else:
+                dt = torch.bfloat16 if kind == fused.S_BF16 else torch.float32
+                views.append(StateView(sp, torch.ones(M, N, device=dev, dtype=dt)))
+        rule = RULES[spec.get("rule", "AdamW")]
+        launch(weight=w, dy=dy, x=x, rule_update=rule.triton_update, coeffs=(0.0,) * 8, states=tuple(views),
+               grad_buffer=torch.zeros(M, N, device=dev) if spec.get("grad_buffer") else None,
+               nonfinite=torch.zeros((), dtype=torch.int64, device=dev) if spec.get("nonfinite", True) else None,
+               stochastic_weight=spec.get("sr_w", True), stochastic_state=spec.get("sr_s", True), config=cfg)
+    torch.cuda.synchronize()
+    return f"{cfg.short()} {spec.get('kinds')} {time.time() - t0:.1f}s"
+
+
+def precompile(specs: list[dict], workers: int | None = None) -> list[str]:
+    """Compile kernel variants in parallel processes (fills Triton's cache; returns one line each).
+
+    Each spec: config (KernelConfig or its dict), kinds (3 state kinds), w_dtype, in_dtype, rule,
+    sr_w, sr_s, nonfinite, grad_buffer, mode. Failures are reported, not raised.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    specs = [dict(s, config=asdict(s["config"]) if isinstance(s["config"], KernelConfig) else s["config"])
+             for s in specs]
+    if not specs:
+        return []
+    workers = workers or min(len(specs), max(1, (os.cpu_count() or 2) - 1))
+    out = []
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        futs = [ex.submit(_precompile_one, s) for s in specs]
+        for s, f in zip(specs, futs):
+            try:
+                out.append(f.result())
+            except Exception as err:  # noqa: BLE001
+                out.append(f"FAILED {s['config']} {s.get('kinds')}: {err!r}"[:300])
     return out
