@@ -36,8 +36,8 @@ BTS = [512, 2048, 8192]
 MODES = ["bf16", "int8"]
 
 
-def bench(fn, rep=60):
-    return do_bench(fn, warmup=15, rep=rep, return_mode="median")
+def bench(fn, rep=40):
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def measure_peaks():
@@ -76,6 +76,21 @@ def make_states(mode, M, N, gen):
 def state_bytes(mode, M, N, BT):
     per = 12.0 if mode == "bf16" else 4 + 2 + 2 + 2 * 2 * 4 / 64  # W r+w, m, v (r+w), scales
     return per * M * N + 2 * BT * (M + N)
+
+
+def write_json(args, dev, gemm_peak, copy_bw, rows, backend, final=False):
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=dev,
+               torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
+               complete=final, gemm_peak_tflops=gemm_peak / 1e12, copy_bw_tbs=copy_bw / 1e12, rows=rows,
+               autotune_winners=backend.tuner.winners,
+               autotune_timings_ms={repr(k): v for k, v in backend.tuner.timings.items()})
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "kernel.json"
+    else:
+        path = Path(__file__).resolve().parent / "results" / f"kernel-{dt.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    return path
 
 
 def run(args):
@@ -165,6 +180,7 @@ def run(args):
                       f"wgrad+adamw {t_c:8.3f}  floor {floor:8.3f}  a/c {t_a / t_c:5.2f}  a/d {t_a / floor:5.2f}  "
                       f"a/b {t_a / t_b:5.2f}  [{row['config']}]", flush=True)
                 del views, Wf
+                write_json(args, dev, gemm_peak, copy_bw, rows, backend)
             del W, ins
             torch.cuda.empty_cache()
     return dev, gemm_peak, copy_bw, rows, backend
@@ -203,17 +219,7 @@ def main():
         print(f"| {r['shape']} | {r['BT']} | {r['states']} | {r['fused_ms']:.3f} | {r['wgrad_ms']:.3f} | "
               f"{r['unfused_ms']:.3f} | {r['floor_ms']:.3f} | {r['a_over_c']:.2f} | {r['a_over_d']:.2f} | "
               f"{r['a_over_b']:.2f} |")
-    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=dev,
-               torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
-               gemm_peak_tflops=gemm_peak / 1e12, copy_bw_tbs=copy_bw / 1e12, rows=rows,
-               autotune_winners=backend.tuner.winners,
-               autotune_timings_ms={repr(k): v for k, v in backend.tuner.timings.items()})
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "kernel.json"
-    else:
-        path = Path(__file__).resolve().parent / "results" / f"kernel-{dt.date.today().isoformat()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_json(args, dev, gemm_peak, copy_bw, rows, backend, final=True)
     print(f"wrote {path}")
 
 

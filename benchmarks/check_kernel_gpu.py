@@ -133,12 +133,12 @@ def main():
         import subprocess
 
         env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
-                               str(REPO / "tests" / "test_triton_kernel.py")], cwd=str(REPO), env=env,
-                              capture_output=True, text=True)
-        for line in (proc.stdout + proc.stderr).splitlines():
-            log(line)
-        rc = proc.returncode
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
+                                 "--durations=0", str(REPO / "tests" / "test_triton_kernel.py")], cwd=str(REPO),
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:  # streamed, so a run cut short still leaves its log
+            log(line.rstrip())
+        rc = proc.wait()
     else:
         log("pytest not installed: built-in runner")
         rc = 1 if run_without_pytest(log) else 0
