@@ -206,9 +206,13 @@ if INTERP:
         else:
             assert int(bf16_ulp_diff(job.weight, ref.weight).max()) <= 1
 
-    def test_sr_bits_identical():
-        """Same gradient, same fp32 value: the kernel draws exactly the torch backend's SR bits."""
+    @pytest.mark.parametrize("key", [None, 0xFFFFFFF0, (1 << 31) + 5])
+    def test_sr_bits_identical(key):
+        """Same gradient, same fp32 value: the kernel draws exactly the torch backend's SR bits
+        (also for keys >= 2**31, where offset + key wraps around 2**32)."""
         job = make_job("SGD", "bf16-sr", M0, N0)
+        if key is not None:
+            job.key_weight = key
         dy, x = exact_inputs(BT0, M0, N0)
         job, ref = run_both(job, dy, x)
         assert torch.equal(job.weight.view(torch.int16), ref.weight.view(torch.int16))

@@ -9,7 +9,7 @@ rule, state layout) and can be read back (``Tuner.winners``) for benchmark repor
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -149,6 +149,9 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             scales.append(view.scale if view.quantized else dummy)
             kinds.append(state_kind(view))
     cfg = config
+    if not interp and dy.element_size() == 4 and cfg.BK > 32:
+        # fp32 operands: half the K depth keeps the pipelined stages inside shared memory
+        cfg = replace(cfg, BK=32)
     tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
     if interp:
         nprogs = max(1, min(tiles, cfg.progs_per_sm))
@@ -168,8 +171,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         buf if buf is not None else dummy, nonfinite if nonfinite is not None else dummy,
         BT, M, N, nsb, nprogs,
         c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
-        int(key_weight) & 0x7FFFFFFF, int(key_states[0]) & 0x7FFFFFFF, int(key_states[1]) & 0x7FFFFFFF,
-        int(key_states[2]) & 0x7FFFFFFF,
+        _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]),
         UPDATE=rule_update if rule_update is not None else _noop_update(),
         MODE=mode, HAS_BUF=(grad_buffer is not None and not accumulate),
         HAS_NF=(nonfinite is not None and not accumulate),
@@ -179,6 +181,12 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
         EPI_SPLIT=cfg.epi_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _i32(key: int) -> int:
+    """A hash key mod 2**32 as a signed 32-bit argument (the kernel reads its bits as uint32)."""
+    key = int(key) & 0xFFFFFFFF
+    return key - (1 << 32) if key >= (1 << 31) else key
 
 
 def _noop_update():
