@@ -218,7 +218,7 @@ def forge_fused_kernel(
         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
         DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        EPI_SPLIT: tl.constexpr):
+        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr):
     """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -229,7 +229,11 @@ def forge_fused_kernel(
         dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[BT, M], strides=[M, 1], block_shape=[BK, BM])
         x_desc = tl.make_tensor_descriptor(x_ptr, shape=[BT, N], strides=[N, 1], block_shape=[BK, BN])
     offs_k = tl.arange(0, BK)
-    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGS, flatten=False):
+    # a second tile counter for the epilogue (as Triton's persistent-matmul tutorial): with
+    # FLATTEN the tile and K loops become one software-pipelined loop, so the next tile's loads
+    # are in flight while this tile's epilogue runs.
+    tile_id_c = start_pid - NUM_PROGS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -250,8 +254,10 @@ def forge_fused_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
-        row0 = pid_m * BM
-        col0 = pid_n * BN
+        tile_id_c += NUM_PROGS
+        pid_mc, pid_nc = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_SIZE)
+        row0 = pid_mc * BM
+        col0 = pid_nc * BN
         if EPI_SPLIT == 1:
             _epilogue(acc, row0, col0,
                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,

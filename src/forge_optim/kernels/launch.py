@@ -30,6 +30,7 @@ class KernelConfig:
     progs_per_sm: int = 1  # persistent grid = min(tiles, SMs * progs_per_sm)
     epi_split: int = 1  # 1, 2 or 4: run the epilogue on row slices [BM/epi_split, BN] (fewer live registers)
     use_tma: bool = True  # only taken where Hopper TMA is available and the strides allow it
+    flatten: bool = False  # one flattened tile x K loop: the next tile's loads overlap this epilogue
 
     def __post_init__(self):
         if self.BN % 64 != 0:
@@ -39,7 +40,7 @@ class KernelConfig:
 
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
-                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}")
+                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -51,18 +52,18 @@ INTERPRET_CONFIG = KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, 
 # Large BT: the GEMM dominates, so wide tiles and deep pipelines.
 SMALL_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 3, 8, 1, 4),
-    KernelConfig(128, 128, 64, 8, 3, 8, 2, 4),
+    KernelConfig(128, 128, 64, 8, 3, 8, 1, 4, flatten=True),
     KernelConfig(128, 128, 64, 8, 3, 8, 1, 2),
-    KernelConfig(64, 128, 64, 4, 4, 8, 2, 2),
     KernelConfig(64, 128, 64, 4, 4, 8, 2, 4),
+    KernelConfig(64, 128, 64, 4, 4, 8, 2, 4, flatten=True),
     KernelConfig(128, 64, 64, 4, 4, 8, 2, 4),
 )
 LARGE_BT_CONFIGS = (
     KernelConfig(128, 256, 64, 8, 3, 8, 1, 4),
     KernelConfig(128, 256, 64, 8, 4, 8, 1, 4),
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4),
+    KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, flatten=True),
     KernelConfig(256, 128, 64, 8, 3, 8, 1, 4),
-    KernelConfig(128, 128, 64, 8, 5, 8, 1, 4),
 )
 
 
@@ -179,7 +180,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         S0=0 if accumulate else kinds[0], S1=0 if accumulate else kinds[1], S2=0 if accumulate else kinds[2],
         S_SR=bool(stochastic_state), DOT_PREC=dot_prec, INTERPRET=interp, USE_TMA=use_tma,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
-        EPI_SPLIT=cfg.epi_split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten and not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
