@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def _bench(ns: argparse.Namespace) -> int:
@@ -41,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    t_start = time.time()  # before torch is imported, so that reported wall times include it
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    ns.t_start = t_start
     return ns.func(ns)
 
 

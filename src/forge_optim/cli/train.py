@@ -44,7 +44,7 @@ OPTIMIZERS: dict[str, tuple[str | None, float, float, bool, tuple[float, float] 
     "forge-lion": ("Lion", 3e-4, 1.0, True, (0.9, 0.99)),
     "forge-rmsprop": ("RMSprop", 1e-3, 0.0, False, None),
     "forge-adagrad": ("Adagrad", 2e-2, 0.0, False, None),
-    "forge-sgd": ("SGD", 0.3, 0.0, False, None),
+    "forge-sgd": ("SGD", 3e-2, 0.0, False, None),  # momentum 0.9; 0.3 diverges here
     "torch-adamw": (None, 3e-3, 0.1, True, (0.9, 0.95)),
 }
 
@@ -241,7 +241,7 @@ def solve(model, prompts: list[str], device, max_new: int = 6) -> list[str]:
     return outs
 
 
-def save_plot(path: str, records: list[dict], title: str) -> None:
+def save_plot(path: str, records: list[dict], evals: list[dict], title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -249,9 +249,8 @@ def save_plot(path: str, records: list[dict], title: str) -> None:
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(3, 1))
     steps = [r["step"] for r in records]
     ax.plot(steps, [r["loss"] for r in records], lw=0.8, alpha=0.8, label="train loss")
-    ev = [r for r in records if "val_loss" in r]
-    if ev:
-        ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="held-out loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="held-out loss")
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -267,11 +266,13 @@ def save_plot(path: str, records: list[dict], title: str) -> None:
 
 # ---------------------------------------------------------------------------------------------
 
-def train(cfg: TrainConfig) -> dict:
+def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
+    """Train, write the run folder, return a summary. ``t_start``: when the command started
+    (before torch was imported), for the wall time in the report."""
+    t_start = t_start or time.time()
     from tqdm.auto import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    t_start = time.time()
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
@@ -334,6 +335,10 @@ def train(cfg: TrainConfig) -> dict:
     print(f"model  Llama {cfg.layers}L d{cfg.hidden_size} h{cfg.heads} ff{cfg.intermediate_size}, "
           f"{n_params / 1e6:.2f}M params, {cfg.dtype} weights; {flops_per_token / 1e6:.1f} MFLOP/token")
     opt_desc = f"lr {lr:g} wd {wd:g}"
+    if "betas" in opt.defaults:
+        opt_desc += f" betas {tuple(opt.defaults['betas'])}"
+    if opt.defaults.get("momentum"):
+        opt_desc += f" momentum {opt.defaults['momentum']:g}"
     if is_forge:
         opt_desc += f", state_dtype {cfg.state_dtype or 'weight dtype'}, backend {cfg.backend}"
         if cfg.stochastic_rounding is False:
@@ -434,7 +439,7 @@ def train(cfg: TrainConfig) -> dict:
     if is_forge and hasattr(opt, "nonfinite_counts"):
         bad = {k: v for k, v in opt.nonfinite_counts().items() if v}
         summary["nonfinite_skipped"] = bad
-    save_plot(os.path.join(out_dir, "loss.png"), records,
+    save_plot(os.path.join(out_dir, "loss.png"), records, evals,
               f"{cfg.optimizer} | Llama {cfg.layers}L d{cfg.hidden_size} | {ds.name} | {device}")
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -446,7 +451,7 @@ def train(cfg: TrainConfig) -> dict:
         print(f"answer-token accuracy (held-out, teacher-forced) {summary['final_val_answer_acc']:.1%}; "
               f"greedy: {'; '.join(summary['samples'])}")
     print(f"speed  {mean_tps:,.0f} tokens/s, {summary['model_tflops_per_s'] * 1e3:.2f} model GFLOP/s{mfu}; "
-          f"{len(step_times)} steps in {train_time:.1f} s ({summary['wall_seconds']:.1f} s wall incl. setup)")
+          f"{len(step_times)} steps in {train_time:.1f} s ({summary['wall_seconds']:.1f} s wall incl. imports, data, eval)")
     print(f"memory {mem_label}: {mem_mib:,.1f} MiB")
     print(f"fused  {len(fused)} modules" + (f"; non-finite gradient coordinates skipped: {summary['nonfinite_skipped']}"
                                            if summary.get("nonfinite_skipped") else ""))
@@ -463,7 +468,7 @@ def run(argv: list[str] | None = None, prog: str = "forge-optim train") -> int:
 def run_parsed(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns)
     try:
-        summary = train(cfg)
+        summary = train(cfg, getattr(ns, "t_start", None))
     except (ValueError, FileNotFoundError) as e:
         print(f"forge-optim train: error: {e}", file=sys.stderr)
         return 2
