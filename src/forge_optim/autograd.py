@@ -59,14 +59,13 @@ class FusedLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x, w = ctx.saved_tensors
-        dy = grad_out.reshape(-1, w.shape[0])
         dx = db = None
         if ctx.needs_input_grad[0]:
             # Invariant 1: dX = dY W with the weight as it was before this step's update.
             dx = (grad_out.to(w.dtype) @ w).to(ctx.x_dtype)
         if ctx.needs_input_grad[2]:
-            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        ctx.handle.consume(dy, x.reshape(-1, x.shape[-1]), ctx.use)
+            db = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
+        ctx.handle.consume(grad_out, x, ctx.use)
         return dx, None, db, None, None
 
 
@@ -113,7 +112,7 @@ def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: to
     dx = (grad_out.to(weight.dtype) @ weight).to(x.dtype) if needs_dx else x.new_empty(0)
     h = _handle(handle_id)
     h.release_one()
-    h.consume(grad_out.reshape(-1, weight.shape[0]), x.reshape(-1, x.shape[-1]), None)
+    h.consume(grad_out, x, None)
     return dx
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import patch, precision
+from . import dtensor, patch, precision
 from .autograd import Use, register_handle
 from .backends import BACKEND_NAMES, StateView, TorchBackend, UpdateJob, apply_update, make_backend, triton_available
 from .rules import Rule
@@ -99,18 +99,21 @@ class FusedWeight:
 
     @torch.no_grad()
     def consume(self, dy: torch.Tensor, x: torch.Tensor, use: Use | None) -> None:
-        """Called from backward with this use's dY [BT, Dout] and X [BT, Din]."""
+        """Called from backward with this use's dY [..., Dout] and X [..., Din] (DTensors under TP)."""
         if use is not None and not use.done:
             use.done = True
             self.release(use.kind)
         opt = self.optimizer
         if not self.attached:
             raise RuntimeError(f"'{self.name}' was unpatched while a forward through it was pending")
+        dy, x = dtensor.local_operands(self.param, dy, x)
+        dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         if opt._accumulating or self.pending_fwd or self.pending_rec:
             # Another use of this weight still needs the old W, or we are inside accumulate():
             # add this gradient to the fp32 buffer and update after the last use.
             if self.buffer is None:
-                self.buffer = torch.zeros(self.param.shape, dtype=torch.float32, device=self.param.device)
+                w = dtensor.local(self.param)
+                self.buffer = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             opt._backend_for(self.param).accumulate(self.buffer, dy, x)
             return
         opt._fused_update(self, dy, x)
@@ -276,29 +279,32 @@ class ForgeOptimizer(torch.optim.Optimizer):
             for key, init in self.rule.scalar_states.items():
                 state[key] = torch.tensor(init, dtype=torch.float32)
         mode = self.state_dtype_of(p)
+        lp = dtensor.local(p)
         for spec in self.rule.state_specs(group):
             if spec.name not in state:
                 value = float(group[spec.init]) if spec.init else 0.0
-                self._set_state(p, state, spec, torch.full(p.shape, value, dtype=torch.float32, device=p.device), mode)
+                self._set_state(p, state, spec, torch.full(lp.shape, value, dtype=torch.float32, device=lp.device), mode)
         if "_nonfinite" not in state:
-            state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=p.device)
+            state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=lp.device)
         return state
 
     @staticmethod
     def _set_state(p, state: dict, spec, value: torch.Tensor, mode: str, quantized=None) -> None:
-        """Store an fp32 value of the parameter's shape in this optimizer's storage format."""
-        value = value.to(device=p.device)
+        """Store an fp32 value of the parameter's (local) shape in this optimizer's storage format.
+        Under tensor parallelism states are DTensors placed like their parameter."""
+        lp = dtensor.local(p)
+        value = dtensor.local(value).to(device=lp.device)
         if mode == "int8":
             if quantized is not None:
-                q, scale = quantized
+                q, scale = (dtensor.local(t) for t in quantized)
             else:
                 q, scale = precision.quantize(_as_2d(value.float()), spec.nonnegative)
-            state[spec.name] = q.reshape(p.shape).to(p.device).contiguous()
-            state[spec.name + "_scale"] = scale.to(device=p.device, dtype=torch.float32).contiguous()
+            state[spec.name] = dtensor.like(p, q.reshape(lp.shape).to(lp.device).contiguous())
+            state[spec.name + "_scale"] = dtensor.like(p, scale.to(device=lp.device, dtype=torch.float32).contiguous())
         elif mode == "bf16":
-            state[spec.name] = value.to(torch.bfloat16).reshape(p.shape).contiguous()
+            state[spec.name] = dtensor.like(p, value.to(torch.bfloat16).reshape(lp.shape).contiguous())
         else:
-            state[spec.name] = value.float().reshape(p.shape).contiguous()
+            state[spec.name] = dtensor.like(p, value.float().reshape(lp.shape).contiguous())
 
     def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict) -> UpdateJob:
         state["step"] += 1
@@ -308,9 +314,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         views = []
         keys = [0] * rule_base.NUM_SLOTS
         for spec in self.rule.state_specs(group):
-            data = state[spec.name]
+            data = dtensor.local(state[spec.name])
             scale = state.get(spec.name + "_scale") if data.dtype in (torch.int8, torch.uint8) else None
-            views.append(StateView(spec, _as_2d(data), scale))
+            views.append(StateView(spec, _as_2d(data), None if scale is None else dtensor.local(scale)))
             keys[spec.slot] = precision.stream_key(self.seed, idx, step, precision.SITE_STATE0 + spec.slot)
         return UpdateJob(
             weight=weight2d, rule=self.rule, coeffs=coeffs, states=views,
@@ -325,7 +331,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         p = handle.param
         group = self._group_of(p)
         state = self._init_state(p, group)
-        job = self._job(p, p.detach(), group, state)
+        job = self._job(p, dtensor.local(p.detach()), group, state)
         job.grad_buffer, handle.buffer = handle.buffer, None
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
         self._backend_for(p).update(job, dy, x)
@@ -348,11 +354,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _apply_from_grad(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> None:
         state = self._init_state(p, group)
-        w = p.detach()
+        w = dtensor.local(p.detach())
         contiguous = w.is_contiguous()
         w2d = _as_2d(w if contiguous else w.contiguous())
         job = self._job(p, w2d, group, state)
-        g2d = _as_2d(grad.float().contiguous())
+        if dtensor.is_dtensor(grad) and dtensor.is_dtensor(p) and tuple(grad.placements) != tuple(p.placements):
+            grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial norm-weight gradient
+        g2d = _as_2d(dtensor.local(grad).float().contiguous())
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
         rows = w2d.shape[0]
         for r0 in range(0, rows, self.block_rows):
@@ -406,7 +414,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 v = st[key]
                 if isinstance(v, torch.Tensor) and v.dtype in (torch.int8, torch.uint8) and key + "_scale" in st:
                     st[key + "_q"] = v
-                    st[key] = precision.dequantize(_as_2d(v), st[key + "_scale"]).reshape(v.shape)
+                    lv = dtensor.local(v)
+                    deq = precision.dequantize(_as_2d(lv), dtensor.local(st[key + "_scale"])).reshape(lv.shape)
+                    st[key] = dtensor.like(v, deq)
             out[idx] = st
         sd["state"] = out
         return sd
@@ -450,10 +460,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             q, scale = saved.get(spec.name + "_q"), saved.get(spec.name + "_scale")
             quantized = None
             if mode == "int8" and q is not None and scale is not None and q.shape == p.shape:
-                quantized = (q, scale)
+                quantized = (q.clone(), scale.clone())
             # clone: a state_dict holds references to the live tensors of the optimizer that made it
-            self._set_state(p, state, spec, value.detach().float().clone(), mode,
-                            None if quantized is None else tuple(t.clone() for t in quantized))
+            self._set_state(p, state, spec, value.detach().float().clone(), mode, quantized)
         if "step" not in state:
             # torch.optim.SGD keeps no step: a saved momentum buffer means at least one step was taken.
             state["step"] = torch.tensor(1.0 if state else 0.0, dtype=torch.float32)
