@@ -13,6 +13,16 @@ import sys
 import time
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except where the help already says or there is no value to show."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default is None or isinstance(action.default, bool):
+            return h
+        return super()._get_help_string(action)
+
+
 def _bench(ns: argparse.Namespace) -> int:
     print("forge-optim bench: not implemented yet (issue 5)")
     return 2
@@ -30,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "the weight-gradient GEMM of nn.Linear layers.")
     sub = p.add_subparsers(dest="command", metavar="{train,bench}")
     sub.required = True
-    t = sub.add_parser("train", help="train a small Llama-style causal LM (synthetic data, no download)",
+    t = sub.add_parser("train", formatter_class=_HelpFormatter, help="train a small Llama-style causal LM (synthetic data, no download)",
                        description="Train a small Llama-style causal LM with a forge_optim optimizer "
                        "(or the torch.optim.AdamW baseline) and write metrics.jsonl, loss.png and "
                        "config.json to a run folder.")

@@ -96,38 +96,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     g = p.add_argument_group("data")
     g.add_argument("--data", default=d.data, help="'arith' (built-in synthetic addition problems) "
-                   "or a path to a .txt file or a .jsonl file with a 'text' field (default: %(default)s)")
-    g.add_argument("--seq-len", type=int, default=d.seq_len)
-    g.add_argument("--batch-size", type=int, default=d.batch_size)
+                   "or a path to a .txt file or a .jsonl file with a 'text' field")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens (bytes) per sequence")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per micro-step")
     g.add_argument("--grad-accum", type=int, default=d.grad_accum, help="micro-steps per optimizer step")
     g = p.add_argument_group("model (Llama-style, random init, byte vocabulary of 256)")
-    g.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    g.add_argument("--layers", type=int, default=d.layers)
-    g.add_argument("--heads", type=int, default=d.heads)
-    g.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
+    g.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width")
+    g.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    g.add_argument("--heads", type=int, default=d.heads, help="attention heads (no GQA)")
+    g.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="MLP width")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default=d.dtype, help="model weights")
     g = p.add_argument_group("optimizer")
-    g.add_argument("--optimizer", choices=list(OPTIMIZERS), default=d.optimizer)
+    g.add_argument("--optimizer", choices=list(OPTIMIZERS), default=d.optimizer,
+                   help="forge-*: forge_optim (linear weights updated inside backward); torch-adamw: the baseline")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (default: per optimizer)")
     g.add_argument("--weight-decay", type=float, default=None,
                    help="on matrices only; norms and biases get none (default: per optimizer)")
-    g.add_argument("--beta1", type=float, default=None)
-    g.add_argument("--beta2", type=float, default=None)
+    g.add_argument("--beta1", type=float, default=None, help="default: 0.9")
+    g.add_argument("--beta2", type=float, default=None, help="default: 0.95 (Lion: 0.99)")
     g.add_argument("--momentum", type=float, default=None, help="SGD (default 0.9) and RMSprop (default 0)")
     g.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default=None,
                    help="optimizer state precision (default: the weight's dtype)")
     g.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_const",
                    const=False, default=None, help="round-to-nearest for bf16 weights and states")
-    g.add_argument("--backend", choices=["auto", "torch", "triton"], default=d.backend)
+    g.add_argument("--backend", choices=["auto", "torch", "triton"], default=d.backend,
+                   help="forge_optim backend (auto: triton on CUDA, torch otherwise)")
     g = p.add_argument_group("schedule")
-    g.add_argument("--steps", type=int, default=d.steps)
-    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up, then cosine")
     g.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="cosine floor as a fraction of --lr")
     g = p.add_argument_group("eval, logging, system")
     g.add_argument("--eval-every", type=int, default=d.eval_every, help="0: only at the end")
     g.add_argument("--eval-iters", type=int, default=d.eval_iters, help="held-out batches per eval")
-    g.add_argument("--log-every", type=int, default=d.log_every)
-    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--log-every", type=int, default=d.log_every, help="steps between metrics.jsonl lines")
+    g.add_argument("--seed", type=int, default=d.seed, help="model init, data and batches")
     g.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     g.add_argument("--out-dir", default=None, help="run folder (default: runs/<timestamp>)")
     g.add_argument("--peak-tflops", type=float, default=None, help="device peak for MFU (default: known GPUs)")
@@ -362,11 +364,19 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
     bar = tqdm(range(1, cfg.steps + 1), desc="train", dynamic_ncols=True, disable=not cfg.progress,
                mininterval=0.5, file=sys.stderr)
 
-    def do_eval(step: int) -> dict:
+    def do_eval(step: int, rec: dict | None = None) -> dict:
         r = {"step": step, **evaluate(model, eval_batches, is_arith)}
         evals.append(r)
-        acc = f"  answer-token acc {r['val_answer_acc']:.1%}" if "val_answer_acc" in r else ""
-        msg = f"step {step:5d} | held-out loss {r['val_loss']:.4f}{acc}"
+        msg = f"step {step:5d}"
+        if rec is not None:
+            recent = step_times[-cfg.eval_every:] if cfg.eval_every else step_times
+            tps = tokens_per_step * len(recent) / sum(recent)
+            msg += f" | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | {tps:,.0f} tok/s"
+            if peak_tflops:
+                msg += f" | MFU {tps * flops_per_token / (peak_tflops * 1e12):.2%}"
+        msg += f" | held-out loss {r['val_loss']:.4f}"
+        if "val_answer_acc" in r:
+            msg += f", answer-token acc {r['val_answer_acc']:.1%}"
         bar.write(msg) if cfg.progress else print(msg)
         return r
 
@@ -404,7 +414,7 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
                 metrics_f.write(json.dumps(rec) + "\n")
                 break
             if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps:
-                rec.update({k: v for k, v in do_eval(step).items() if k != "step"})
+                rec.update({k: v for k, v in do_eval(step, rec).items() if k != "step"})
             if step % cfg.log_every == 0 or "val_loss" in rec or step == cfg.steps:
                 records.append(rec)
                 metrics_f.write(json.dumps(rec) + "\n")
@@ -451,7 +461,7 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
         print(f"answer-token accuracy (held-out, teacher-forced) {summary['final_val_answer_acc']:.1%}; "
               f"greedy: {'; '.join(summary['samples'])}")
     print(f"speed  {mean_tps:,.0f} tokens/s, {summary['model_tflops_per_s'] * 1e3:.2f} model GFLOP/s{mfu}; "
-          f"{len(step_times)} steps in {train_time:.1f} s ({summary['wall_seconds']:.1f} s wall incl. imports, data, eval)")
+          f"{len(step_times)} steps in {train_time:.1f} s ({summary['wall_seconds']:.1f} s wall incl. model setup, data and eval)")
     print(f"memory {mem_label}: {mem_mib:,.1f} MiB")
     print(f"fused  {len(fused)} modules" + (f"; non-finite gradient coordinates skipped: {summary['nonfinite_skipped']}"
                                            if summary.get("nonfinite_skipped") else ""))
