@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distribut
 
 TOL = 1e-5
 STEPS = 5
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def _data(step, vocab=64):
@@ -40,6 +41,9 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
     try:
         import forge_optim
         from torch.distributed.device_mesh import init_device_mesh
+        import sys
+
+        sys.path.insert(0, EXAMPLES)
         from tp_llama import TinyLlama, parallelize
 
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -100,8 +104,6 @@ def _run(world, layout, state_dtype="fp32", checkpoint=False):
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt") if checkpoint else ""
-        env_path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-        os.environ["PYTHONPATH"] = env_path + os.pathsep + os.environ.get("PYTHONPATH", "")
         procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), layout, state_dtype, ckpt, q))
                  for r in range(world)]
         for p in procs:
