@@ -46,7 +46,8 @@ def test_specs():
     specs += [dict(config=GPU_TEST_CONFIG, kinds=(0, 0, 0), rule="SGD", sr_w=sr, sr_s=False, nonfinite=False)
               for sr in (True, False)]
     specs += [dict(config=GPU_TEST_CONFIG, kinds=FP32_STATES, w_dtype="float32", sr_w=False, sr_s=False),
-              dict(config=GPU_TEST_CONFIG, mode=fused.MODE_ACCUMULATE, in_dtype="float32")]
+              dict(config=GPU_TEST_CONFIG, mode=fused.MODE_ACCUMULATE, in_dtype="float32"),
+              dict(config=GPU_TEST_CONFIG, mode=fused.MODE_ACCUMULATE, in_dtype="bfloat16")]
     return specs
 
 

@@ -226,6 +226,8 @@ if INTERP:
                      epi_split=2, use_tma=False),
         KernelConfig(BM=64, BN=64, BK=16, num_warps=4, num_stages=1, group_size=2, progs_per_sm=2,
                      epi_split=4, use_tma=False),
+        KernelConfig(BM=64, BN=128, BK=32, num_warps=4, num_stages=1, group_size=1, progs_per_sm=2,
+                     epi_split=8, use_tma=False),
         KernelConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=1, group_size=1, progs_per_sm=1,
                      epi_split=1, use_tma=False),
     ])
@@ -387,9 +389,14 @@ def _relnorm(a, b):
 @pytest.mark.parametrize("BT", GPU_BTS)
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_fp32_state_vs_torch_adamw(shape, BT):
-    """fp32 W and m, v: two steps equal torch.optim.AdamW on the cuBLAS gradient to fp32 round-off."""
-    from forge_optim.backends.triton_backend import TritonBackend
+    """fp32 W and m, v: two steps equal torch.optim.AdamW to fp32 round-off.
 
+    torch.optim gets the kernel's own gradient (the accumulate mode with the same config sums the
+    same tiles in the same order), so the only differences left are the rule's fp32 arithmetic;
+    that gradient itself must equal the cuBLAS fp32 gradient up to summation order. (Against the
+    cuBLAS gradient directly, Adam's first step lr*sign(g) flips wherever |g| is within round-off of
+    zero, which is a property of the GEMM order, not of the kernel.)
+    """
     torch.backends.cuda.matmul.allow_tf32 = False
     M, N = shape
     gen = torch.Generator(device="cuda").manual_seed(M + BT)
@@ -403,25 +410,50 @@ def test_gpu_fp32_state_vs_torch_adamw(shape, BT):
     m = StateView(specs[0], torch.zeros(M, N, device="cuda"))
     v = StateView(specs[1], torch.zeros(M, N, device="cuda"))
     nf = torch.zeros((), dtype=torch.int64, device="cuda")
-    be = TritonBackend()
+    be = _fixed_backend()
+    gerrs = []
     for step in (1, 2):
         dy, x = _gpu_inputs(BT, M, N, seed=step * 1000 + M)
+        g = torch.zeros(M, N, device="cuda")
+        be.accumulate(g, dy, x)
+        gerrs.append(_relnorm(g, dy.float().t() @ x.float()))  # cuBLAS fp32 (tf32 off)
         job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
                         states=[m, v], nonfinite=nf)
         be.update(job, dy, x)
-        p.grad = dy.float().t() @ x.float()  # cuBLAS, fp32 (tf32 off): exact products, other order
+        p.grad = g
         opt.step()
         p.grad = None
-        del dy, x
+        del dy, x, g
     torch.cuda.synchronize()
     assert int(nf) == 0
     assert torch.isfinite(w).all()
     upd = _relnorm(w - w0, p.detach() - w0)
+    werr = ((w - p.detach()).abs().max() / (p.detach() - w0).abs().max()).item()
     em = _relnorm(m.data, opt.state[p]["exp_avg"])
     ev = _relnorm(v.data, opt.state[p]["exp_avg_sq"])
-    print(f"fp32-state {shape} BT={BT}: update rel {upd:.2e}, m rel {em:.2e}, v rel {ev:.2e}")
-    assert em < 1e-5 and ev < 1e-5, (em, ev)
-    assert upd < 1e-4, upd
+    print(f"fp32-state {shape} BT={BT}: grad vs cuBLAS {max(gerrs):.2e}, update rel {upd:.2e}, "
+          f"max |dW| / max update {werr:.2e}, m rel {em:.2e}, v rel {ev:.2e}")
+    assert max(gerrs) < 2e-5, gerrs
+    assert em < 1e-6 and ev < 1e-6, (em, ev)
+    assert upd < 1e-5, upd
+    assert werr < 1e-3, werr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096)])
+def test_gpu_tuned_matches_fixed(shape):
+    """The tuner (trials on clones) applies the update exactly once: tuned == fixed-config result."""
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    M, N = shape
+    dy, x = _gpu_inputs(512, M, N, seed=1)
+    a = make_job("AdamW", "fp32", M, N, device="cuda", seed=2)
+    b = copy.deepcopy(a)
+    TritonBackend().update(a, dy, x)
+    _fixed_backend().update(b, dy, x)
+    torch.testing.assert_close(a.weight, b.weight, rtol=1e-5, atol=1e-6)
+    for va, vb in zip(a.states, b.states):
+        torch.testing.assert_close(va.data, vb.data, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.gpu
@@ -478,28 +510,38 @@ def test_gpu_bf16_sr_quarter_ulp(stochastic):
 @pytest.mark.parametrize("BT", GPU_BTS)
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_int8_and_bf16_vs_torch_backend(shape, BT):
-    """int8 states (bf16 W, SR) and bf16 states: the kernel against the torch backend on the GPU."""
-    from forge_optim.backends.triton_backend import TritonBackend
-
+    """int8 states (bf16 W, SR) and bf16 SR states: the kernel against the torch backend's
+    apply_update on the kernel's own gradient (accumulate mode, same config): W bits and bf16 states
+    equal but for FMA-contraction round-off, int8 within one quantization step."""
     M, N = shape
-    be = TritonBackend()
+    be = _fixed_backend()
     for mode in ("int8", "bf16-sr"):
         job = make_job("AdamW", mode, M, N, device="cuda", seed=M + BT)
         dy, x = _gpu_inputs(BT, M, N, seed=BT + 7)
         ref = copy.deepcopy(job)
         be.update(job, dy, x)
-        TorchBackend(block_rows=4096).update(ref, dy, x)
+        g = torch.zeros(M, N, device="cuda")
+        be.accumulate(g, dy, x)
+        for r0 in range(0, M, 8192):
+            apply_update(ref, g[r0:r0 + 8192], r0, min(M, r0 + 8192))
+        del g
         torch.cuda.synchronize()
-        # gradients differ in summation order only: a few 1-ULP flips of W are allowed
-        assert_weight_close(job.weight, ref.weight, f"{mode} {shape} {BT}", exact_frac=0.95)
+        assert_weight_close(job.weight, ref.weight, f"{mode} {shape} {BT}", exact_frac=0.99)
         for va, vb in zip(job.states, ref.states):
             if va.quantized:
                 da, db = precision.dequantize(va.data, va.scale), precision.dequantize(vb.data, vb.scale)
                 step = torch.maximum(va.scale, vb.scale).repeat_interleave(64, dim=1)[:, :N]
-                assert bool(((da - db).abs() <= step * 1.001 + 1e-30).all())
-                torch.testing.assert_close(va.scale, vb.scale, rtol=1e-3, atol=1e-12)
+                bad = ~((da - db).abs() <= step * 1.001 + 1e-30)
+                nbad = int(bad.sum())
+                if nbad:
+                    idx = bad.nonzero()[:5].tolist()
+                    info = [(i, j, da[i, j].item(), db[i, j].item(), int(va.data[i, j]), int(vb.data[i, j]),
+                             va.scale[i, j // 64].item(), vb.scale[i, j // 64].item()) for i, j in idx]
+                    raise AssertionError(f"{mode} {va.spec.name}: {nbad} beyond one step, e.g. {info}")
+                torch.testing.assert_close(va.scale, vb.scale, rtol=1e-5, atol=1e-12)
             else:
-                assert int(bf16_ulp_diff(va.data, vb.data).max()) <= 1
+                d = bf16_ulp_diff(va.data, vb.data)
+                assert int(d.max()) <= 1
         assert int(job.nonfinite) == 0
         del job, ref, dy, x
         torch.cuda.empty_cache()

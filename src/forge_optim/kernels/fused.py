@@ -206,6 +206,37 @@ def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
     return tl.split(t)
 
 
+@jit
+def _epilogue4(acc, row0, col0,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+               UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
+               W_BF16: tl.constexpr, W_SR: tl.constexpr,
+               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+               INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """The epilogue on four [BM/4, BN] row slices, one after another (fewer live registers)."""
+    Q: tl.constexpr = BM // 4
+    a0, a1 = _split_rows(acc, BM, BN)
+    a00, a01 = _split_rows(a0, BM // 2, BN)
+    a10, a11 = _split_rows(a1, BM // 2, BN)
+    _epilogue(a00, row0, col0,
+              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    _epilogue(a01, row0 + Q, col0,
+              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    _epilogue(a10, row0 + 2 * Q, col0,
+              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    _epilogue(a11, row0 + 3 * Q, col0,
+              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+
+
 # BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
 # specialize on them, or a key that happens to be divisible by 16 would trigger a recompile.
 @jit(do_not_specialize=["BT", "M", "NSB", "NUM_PROGS", "key_w", "key_s0", "key_s1", "key_s2"])
@@ -274,24 +305,19 @@ def forge_fused_kernel(
                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
-        else:  # 4 row quarters
-            Q: tl.constexpr = BM // 4
+        elif EPI_SPLIT == 4:
+            _epilogue4(acc, row0, col0,
+                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)
+        else:  # 8 row slices
+            H8: tl.constexpr = BM // 2
             a0, a1 = _split_rows(acc, BM, BN)
-            a00, a01 = _split_rows(a0, BM // 2, BN)
-            a10, a11 = _split_rows(a1, BM // 2, BN)
-            _epilogue(a00, row0, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
-            _epilogue(a01, row0 + Q, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
-            _epilogue(a10, row0 + 2 * Q, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
-            _epilogue(a11, row0 + 3 * Q, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+            _epilogue4(a0, row0, col0,
+                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN)
+            _epilogue4(a1, row0 + H8, col0,
+                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN)

@@ -31,16 +31,17 @@ class KernelConfig:
     epi_split: int = 1  # 1, 2 or 4: run the epilogue on row slices [BM/epi_split, BN] (fewer live registers)
     use_tma: bool = True  # only taken where Hopper TMA is available and the strides allow it
     flatten: bool = False  # one flattened tile x K loop: the next tile's loads overlap this epilogue
+    maxnreg: int = 0  # >0: register cap per thread (more resident programs per SM, maybe spills)
 
     def __post_init__(self):
         if self.BN % 64 != 0:
             raise ValueError(f"BN={self.BN} must be a multiple of 64 (int8 scale blocks)")
-        if self.epi_split not in (1, 2, 4) or self.BM % (self.epi_split * 16) != 0:
-            raise ValueError(f"epi_split={self.epi_split} must be 1, 2 or 4 and leave >= 16 rows per slice")
+        if self.epi_split not in (1, 2, 4, 8) or self.BM % (self.epi_split * 8) != 0:
+            raise ValueError(f"epi_split={self.epi_split} must be 1, 2, 4 or 8 and leave >= 8 rows per slice")
 
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
-                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}")
+                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -52,18 +53,19 @@ INTERPRET_CONFIG = KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, 
 # Large BT: the GEMM dominates, so wide tiles and deep pipelines.
 SMALL_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 3, 8, 1, 4),
-    KernelConfig(128, 128, 64, 8, 3, 8, 1, 4, flatten=True),
-    KernelConfig(128, 128, 64, 8, 3, 8, 1, 2),
-    KernelConfig(64, 128, 64, 4, 4, 8, 2, 4),
-    KernelConfig(64, 128, 64, 4, 4, 8, 2, 4, flatten=True),
+    KernelConfig(64, 128, 64, 4, 4, 8, 2, 4),  # v1 winner at BT <= 1024
     KernelConfig(128, 64, 64, 4, 4, 8, 2, 4),
+    KernelConfig(128, 128, 64, 8, 3, 8, 1, 8),
+    KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128),  # 2 programs/SM, some spills
+    KernelConfig(64, 128, 64, 4, 2, 8, 4, 8, maxnreg=128),  # 4 programs/SM, some spills
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168),  # 3 programs/SM
 )
 LARGE_BT_CONFIGS = (
-    KernelConfig(128, 256, 64, 8, 3, 8, 1, 4),
-    KernelConfig(128, 256, 64, 8, 4, 8, 1, 4),
-    KernelConfig(128, 128, 64, 8, 4, 8, 1, 4),
+    KernelConfig(128, 128, 64, 8, 4, 8, 1, 4),  # v1 winner at BT >= 2048
+    KernelConfig(128, 128, 64, 8, 4, 8, 1, 8),
+    KernelConfig(128, 128, 64, 8, 5, 8, 1, 4),
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, flatten=True),
-    KernelConfig(256, 128, 64, 8, 3, 8, 1, 4),
+    KernelConfig(128, 256, 64, 8, 3, 8, 1, 8),
 )
 
 
@@ -74,7 +76,7 @@ def candidate_configs(bt: int) -> tuple[KernelConfig, ...]:
     if bt <= 1024:
         return SMALL_BT_CONFIGS
     if bt <= 4096:
-        return SMALL_BT_CONFIGS[:3] + LARGE_BT_CONFIGS[:3]
+        return SMALL_BT_CONFIGS[:2] + LARGE_BT_CONFIGS[:4]
     return LARGE_BT_CONFIGS
 
 
@@ -181,6 +183,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         S_SR=bool(stochastic_state), DOT_PREC=dot_prec, INTERPRET=interp, USE_TMA=use_tma,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
         EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten and not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}),
     )
 
 
