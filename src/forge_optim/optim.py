@@ -43,6 +43,7 @@ class FusedWeight:
         self.param = param
         self.pending_fwd = 0  # forward uses (outside backward) whose backward has not run yet
         self.pending_rec = 0  # uses first seen inside backward (reentrant checkpoint recompute)
+        self.pending_traced = 0  # uses by the compiled form (no Use object: reset by opt.step())
         self.buffer: torch.Tensor | None = None  # fp32 gradient summed over uses / micro-steps
         self.nonfinite: torch.Tensor | None = None
         self._raised_at = 0
@@ -79,17 +80,13 @@ class FusedWeight:
         return Use(self, kind)
 
     def count_use(self) -> None:
-        """The compiled form's forward: same counting, no Use object (ops return tensors only)."""
-        if torch._C._current_graph_task_id() == -1:
-            self.pending_fwd += 1
-        elif self.pending_fwd == 0:
-            self.pending_rec += 1
+        """The compiled form's forward. Ops return tensors only, so no Use object can release a use
+        whose graph is dropped: ``opt.step()`` clears such stale counts (and applies what they buffered)."""
+        if torch._C._current_graph_task_id() == -1 or self.pending_traced == 0:
+            self.pending_traced += 1
 
     def release_one(self) -> None:
-        if self.pending_fwd:
-            self.pending_fwd -= 1
-        elif self.pending_rec:
-            self.pending_rec -= 1
+        self.pending_traced = max(0, self.pending_traced - 1)
 
     def release(self, kind: str) -> None:
         if kind == "fwd":
@@ -108,7 +105,7 @@ class FusedWeight:
             raise RuntimeError(f"'{self.name}' was unpatched while a forward through it was pending")
         dy, x = dtensor.local_operands(self.param, dy, x)
         dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        if opt._accumulating or self.pending_fwd or self.pending_rec:
+        if opt._accumulating or self.pending_fwd or self.pending_rec or self.pending_traced:
             # Another use of this weight still needs the old W, or we are inside accumulate():
             # add this gradient to the fp32 buffer and update after the last use.
             if self.buffer is None:
@@ -389,6 +386,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                             f"fused weight '{h.name}.weight' received a gradient from outside its module: "
                             "another consumer used it (e.g. a functional call on the weight), so its in-backward "
                             f"update may have run before that use. Exclude it: exclude=['{h.name}']")
+                    h.pending_traced = 0  # every backward of this step has run: what is left is stale
                     if h.buffer is not None and not self._accumulating:
                         # accumulate() was used for every micro-step: apply the summed gradient now.
                         buf, h.buffer = h.buffer, None
