@@ -529,16 +529,18 @@ def test_gpu_int8_and_bf16_vs_torch_backend(shape, BT):
         assert_weight_close(job.weight, ref.weight, f"{mode} {shape} {BT}", exact_frac=0.99)
         for va, vb in zip(job.states, ref.states):
             if va.quantized:
-                da, db = precision.dequantize(va.data, va.scale), precision.dequantize(vb.data, vb.scale)
-                step = torch.maximum(va.scale, vb.scale).repeat_interleave(64, dim=1)[:, :N]
-                bad = ~((da - db).abs() <= step * 1.001 + 1e-30)
-                nbad = int(bad.sum())
+                # within one quantization step: codes differ by at most one, scales agree to the
+                # rule's fp32 round-off. (The Triton rules form 1 - beta2 in fp32 from an fp32
+                # beta2, the torch form in fp64: for beta2 = 0.999 that is 1.3e-5 relative in the
+                # g^2 term of v, hence rtol 1e-4 on the scales rather than 1e-6.)
+                dq = (va.data.to(torch.int16) - vb.data.to(torch.int16)).abs()
+                nbad = int((dq > 1).sum())
                 if nbad:
-                    idx = bad.nonzero()[:5].tolist()
-                    info = [(i, j, da[i, j].item(), db[i, j].item(), int(va.data[i, j]), int(vb.data[i, j]),
-                             va.scale[i, j // 64].item(), vb.scale[i, j // 64].item()) for i, j in idx]
-                    raise AssertionError(f"{mode} {va.spec.name}: {nbad} beyond one step, e.g. {info}")
-                torch.testing.assert_close(va.scale, vb.scale, rtol=1e-5, atol=1e-12)
+                    idx = (dq > 1).nonzero()[:5].tolist()
+                    info = [(i, j, int(va.data[i, j]), int(vb.data[i, j]), va.scale[i, j // 64].item(),
+                             vb.scale[i, j // 64].item()) for i, j in idx]
+                    raise AssertionError(f"{mode} {va.spec.name}: {nbad} codes off by more than one, e.g. {info}")
+                torch.testing.assert_close(va.scale, vb.scale, rtol=1e-4, atol=1e-12)
             else:
                 d = bf16_ulp_diff(va.data, vb.data)
                 assert int(d.max()) <= 1

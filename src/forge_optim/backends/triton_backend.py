@@ -15,6 +15,7 @@ from .base import Backend, UpdateJob
 from .torch_backend import TorchBackend
 
 _FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
+_INTERPRET = interpreting()  # read once, as triton.jit does
 
 
 def _as2d(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,7 @@ class TritonBackend(Backend):
     # ------------------------------------------------------------------ eligibility
     @staticmethod
     def _device_ok(t: torch.Tensor) -> bool:
-        return t.device.type == "cuda" or (interpreting() and t.device.type == "cpu")
+        return t.device.type == "cuda" or (_INTERPRET and t.device.type == "cpu")
 
     def _can_serve(self, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor) -> bool:
         w = job.weight

@@ -17,6 +17,8 @@ from .._triton import interpreting, triton
 from . import fused
 
 _ALLOCATOR_SET = False
+# TRITON_INTERPRET is read once, like triton.jit itself does when the kernels are decorated.
+_INTERPRET = interpreting()
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,18 @@ INTERPRET_CONFIG = KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, 
 SMALL_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 3, 8, 1, 4),
     KernelConfig(64, 128, 64, 4, 4, 8, 2, 4),  # v1 winner at BT <= 1024
-    KernelConfig(128, 64, 64, 4, 4, 8, 2, 4),
-    KernelConfig(128, 128, 64, 8, 3, 8, 1, 8),
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128),  # 2 programs/SM, some spills
     KernelConfig(64, 128, 64, 4, 2, 8, 4, 8, maxnreg=128),  # 4 programs/SM, some spills
-    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168),  # 3 programs/SM
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168),  # 3 programs/SM (v2 winner)
+    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8),  # half the L2 re-reads of dY/X of a 64x128 tile
+    KernelConfig(256, 128, 64, 16, 3, 8, 1, 8),
 )
 LARGE_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4),  # v1 winner at BT >= 2048
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 8),
     KernelConfig(128, 128, 64, 8, 5, 8, 1, 4),
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, flatten=True),
-    KernelConfig(128, 256, 64, 8, 3, 8, 1, 8),
+    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8),
 )
 
 
@@ -76,7 +78,7 @@ def candidate_configs(bt: int) -> tuple[KernelConfig, ...]:
     if bt <= 1024:
         return SMALL_BT_CONFIGS
     if bt <= 4096:
-        return SMALL_BT_CONFIGS[:2] + LARGE_BT_CONFIGS[:4]
+        return SMALL_BT_CONFIGS[4:6] + LARGE_BT_CONFIGS[:4]
     return LARGE_BT_CONFIGS
 
 
@@ -116,10 +118,16 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
 def _tma_ok(dy: torch.Tensor, x: torch.Tensor) -> bool:
-    if interpreting() or dy.device.type != "cuda":
+    if _INTERPRET or dy.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(dy.device)[0] < 9:
+    idx = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    if _CAPABILITY[idx][0] < 9:
         return False
     for t in (dy, x):
         es = t.element_size()
@@ -136,7 +144,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
 
     In accumulate mode ``weight`` is the fp32 buffer (the kernel adds the tile into it).
     """
-    interp = interpreting()
+    interp = _INTERPRET
     M, N = weight.shape
     BT = dy.shape[0]
     nsb = (N + 63) // 64
@@ -214,7 +222,7 @@ class Tuner:
 
     def pick(self, key: tuple, bt: int, run_on_clones) -> KernelConfig:
         """``run_on_clones(cfg)`` returns a zero-argument callable that launches cfg on clones."""
-        if interpreting():
+        if _INTERPRET:
             return INTERPRET_CONFIG
         if self.forced is not None:
             return self.forced
