@@ -67,7 +67,8 @@ LARGE_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 8),
     KernelConfig(128, 128, 64, 8, 5, 8, 1, 4),
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, flatten=True),
-    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8),
+    KernelConfig(128, 256, 64, 16, 4, 8, 1, 8),
+    KernelConfig(128, 128, 128, 8, 3, 8, 1, 4),
 )
 
 
