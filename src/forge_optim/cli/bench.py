@@ -1,0 +1,821 @@
+"""``forge-optim bench``: end-to-end training-step benchmark, FORGE against its peers (issue 5).
+
+    forge-optim bench --model Llama-3.1-8B --batch-size 1 --seq-len 512
+    python3 -m forge_optim.cli.bench --methods none,forge-bf16,torch-fused-adamw --compile
+
+Protocol
+- Each method runs in its own Python process, so ``torch.cuda.max_memory_allocated`` is that
+  method's peak and no allocator or compile cache state leaks from one method to the next.
+- The model is built from its config with random weights, directly on the device, in bf16
+  (BF16-everywhere: weights, optimizer states and gradients are bf16 for the baselines).
+- A fresh random token batch every step (drawn before the step's clock starts); ``--warmup``
+  un-timed steps, then ``--steps`` timed forward+backward+step iterations, each timed on the wall
+  clock between two ``torch.cuda.synchronize()`` calls. Reported: median and IQR of ms/step.
+- GPU time per step: the sum of GPU activity (kernels, memcpy, memset) recorded by torch.profiler
+  over ``--profile-steps`` further steps, divided by their number. It does not depend on how fast the
+  host dispatches, which bounds the wall step of small models.
+- Peak memory: ``torch.cuda.max_memory_allocated`` over the whole process (build, warm-up, steps):
+  what must fit. ``peak_steady_gib`` is the same peak over the timed steps only.
+- tokens/s = batch*seq / median step time; model TFLOP/s = (6 * N_matmul * tokens
+  + 12 * layers * heads * head_dim * seq * tokens) / median step time (the PaLM convention: N_matmul
+  counts every GEMM weight, the lm_head included, not an untied input embedding; activation
+  recompute is not counted).
+- A CUDA out-of-memory error is reported as ``OOM``; a peer that is not installed as
+  ``skipped (not installed)``.
+- For the methods in ``--timeline-methods`` (eager only), one more instrumented step samples
+  ``torch.cuda.memory_allocated`` after every decoder layer's forward, at the start of every decoder
+  layer's backward (a hook on its output), and around the optimizer step: the within-step memory
+  timeline (paper Figure 2).
+
+Output in ``--out-dir``: ``results.json`` (rewritten after every method, so a failure later loses
+nothing), ``bars.png`` (ms/step and peak GiB per method), ``memory_timeline.png``, and the table on
+the terminal. Without CUDA the same protocol runs on the CPU with a tiny model: times only, memory
+figures need CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.metadata as _md
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+METHODS = ["none", "forge-bf16", "forge-int8", "forge-fp32", "torch-fused-adamw", "torch-foreach-adamw",
+           "optimi-release", "flashoptim", "flashoptim-release", "bnb-adamw8bit", "torchao-adamw8bit"]
+
+# peer method -> (import name checked before the process is started, pip distribution name)
+PEERS = {
+    "optimi-release": ("optimi", "torch-optimi"),
+    "flashoptim": ("flashoptim", "flashoptim"),
+    "flashoptim-release": ("flashoptim", "flashoptim"),
+    "bnb-adamw8bit": ("bitsandbytes", "bitsandbytes"),
+    "torchao-adamw8bit": ("torchao", "torchao"),
+}
+LABELS = {
+    "none": "no optimizer (fwd+bwd)",
+    "forge-bf16": "FORGE AdamW, bf16 state",
+    "forge-int8": "FORGE AdamW, int8 state",
+    "forge-fp32": "FORGE AdamW, fp32 state",
+    "torch-fused-adamw": "torch AdamW fused=True",
+    "torch-foreach-adamw": "torch AdamW foreach",
+    "optimi-release": "optimi AdamW + grad release",
+    "flashoptim": "FlashOptim FlashAdamW",
+    "flashoptim-release": "FlashOptim + grad release",
+    "bnb-adamw8bit": "bitsandbytes AdamW8bit",
+    "torchao-adamw8bit": "torchao AdamW8bit",
+}
+REFERENCE_ORDER = ("torch-fused-adamw", "torch-foreach-adamw")
+GIB = 2.0 ** 30
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..bench_models import model_names
+
+    p.add_argument("--model", default="auto",
+                   help=f"one of {', '.join(model_names())}; 'auto' (default): Llama-3.1-8B on CUDA, "
+                   "'tiny' on CPU")
+    p.add_argument("--config", default=None, help="a Hugging Face config.json to build instead of --model")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (a shallower model)")
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--methods", default="default",
+                   help="comma-separated list from: " + ", ".join(METHODS) + "; 'all', or 'default' "
+                   "(all but forge-fp32)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="un-timed warm-up steps (default 5)")
+    p.add_argument("--profile-steps", type=int, default=3,
+                   help="steps recorded by torch.profiler for GPU time per step (0: off)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="Hugging Face gradient checkpointing (non-reentrant)")
+    p.add_argument("--compile", action="store_true", help="torch.compile(model) for every method")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
+    p.add_argument("--timeline-methods", default="forge-bf16,torch-fused-adamw",
+                   help="methods whose within-step memory timeline is recorded (eager, CUDA only); '' for none")
+    p.add_argument("--out-dir", default=None, help="output folder (default benchmarks/runs/<time>)")
+    p.add_argument("--method-timeout", type=float, default=900.0, help="seconds before a method's process is killed")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole run: methods not started in time are reported as skipped")
+    p.add_argument("--no-plots", action="store_true")
+    # internal: run one method in this process
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forge-optim bench",
+                                description="Training-step time and peak memory of FORGE against its "
+                                "peers on a Hugging Face causal LM with random weights (issue 5).")
+    add_arguments(p)
+    return p
+
+
+def parse_methods(spec: str) -> list[str]:
+    if spec in ("all",):
+        return list(METHODS)
+    if spec in ("default", ""):
+        return [m for m in METHODS if m != "forge-fp32"]
+    out = []
+    for m in (s.strip() for s in spec.split(",")):
+        if not m:
+            continue
+        if m == "forge":
+            m = "forge-bf16"
+        if m not in METHODS:
+            raise SystemExit(f"forge-optim bench: unknown method {m!r}; choose from {', '.join(METHODS)}")
+        if m not in out:
+            out.append(m)
+    return out
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_device(spec: str) -> str:
+    if spec == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.worker:
+        return worker_main(ns)
+    return run_parsed(ns, argv)
+
+
+# ------------------------------------------------------------------------------------------- driver
+def _version(dist: str) -> str | None:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        root = Path(__file__).resolve().parents[3]
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _peer_installed(method: str) -> bool:
+    mod = PEERS[method][0]
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _worker_argv(ns, method: str, result_file: Path, timeline: bool) -> list[str]:
+    a = [sys.executable, "-m", "forge_optim.cli.bench", "--worker", method, "--result-file", str(result_file),
+         "--batch-size", str(ns.batch_size), "--seq-len", str(ns.seq_len), "--steps", str(ns.steps),
+         "--warmup", str(ns.warmup), "--profile-steps", str(ns.profile_steps), "--lr", str(ns.lr),
+         "--weight-decay", str(ns.weight_decay), "--device", ns.device]
+    if ns.config:
+        a += ["--config", str(ns.config)]
+    else:
+        a += ["--model", ns.model]
+    if ns.layers is not None:
+        a += ["--layers", str(ns.layers)]
+    if ns.activation_checkpointing:
+        a.append("--activation-checkpointing")
+    if ns.compile:
+        a.append("--compile")
+    if timeline:
+        a.append("--timeline")
+    return a
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])  # the folder that holds forge_optim/
+    parts = [src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != src]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
+    from ..bench_models import config_dict, count_params
+
+    t_start = time.time()
+    ns.device = resolve_device(ns.device)
+    if ns.model == "auto":
+        ns.model = "Llama-3.1-8B" if ns.device == "cuda" else "tiny"
+    methods = parse_methods(ns.methods)
+    cfg = config_dict(None if ns.config else ns.model, ns.config, ns.layers)
+    counts = count_params(cfg)
+    model_name = Path(ns.config).stem if ns.config else ns.model
+    stamp = _dt.datetime.now(_dt.timezone.utc)
+    out = Path(ns.out_dir) if ns.out_dir else Path("benchmarks/runs") / stamp.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    timeline_for = set(parse_methods(ns.timeline_methods)) if ns.timeline_methods else set()
+    if ns.compile or ns.device != "cuda":
+        timeline_for = set()  # memory needs CUDA; hooks inside a compiled graph would change what is measured
+
+    cmd_argv = sys.argv[1:] if argv is None else list(argv)
+    results = {
+        "schema": 1,
+        "date": stamp.isoformat(timespec="seconds"),
+        "command": "forge-optim bench " + " ".join(shlex.quote(a) for a in cmd_argv),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "versions": {k: _version(d) for k, d in (("torch", "torch"), ("triton", "triton"),
+                                                  ("transformers", "transformers"), ("forge_optim", "forge-optim"),
+                                                  ("torch-optimi", "torch-optimi"), ("flashoptim", "flashoptim"),
+                                                  ("bitsandbytes", "bitsandbytes"), ("torchao", "torchao"))},
+        "git_commit": _git_commit(),
+        "device": None,  # filled from the first worker (the driver never initializes CUDA)
+        "device_type": ns.device,
+        "model": model_name,
+        "config": cfg,
+        "params": counts,
+        "batch_size": ns.batch_size,
+        "seq_len": ns.seq_len,
+        "tokens_per_step": ns.batch_size * ns.seq_len,
+        "steps": ns.steps,
+        "warmup": ns.warmup,
+        "profile_steps": ns.profile_steps,
+        "compile": bool(ns.compile),
+        "activation_checkpointing": bool(ns.activation_checkpointing),
+        "dtype": "bfloat16",
+        "methods": {},
+        "notes": [],
+    }
+    if ns.device != "cuda":
+        results["notes"].append("no CUDA: times only (CPU wall clock); peak memory and GPU time need CUDA")
+    if ns.compile:
+        results["notes"].append("torch.compile(model) for every method; no memory timeline under compile")
+    res_path = out / "results.json"
+
+    def save():
+        res_path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+
+    print(f"forge-optim bench: {model_name} ({counts['total'] / 1e9:.3f}B params"
+          f"{', tied embeddings' if counts['tied'] else ''}), BS={ns.batch_size} SEQ={ns.seq_len}, "
+          f"{ns.warmup}+{ns.steps} steps, device {ns.device}{', compiled' if ns.compile else ''}"
+          f"{', activation checkpointing' if ns.activation_checkpointing else ''} -> {out}", flush=True)
+    save()
+    for m in methods:
+        r: dict
+        if m in PEERS and not _peer_installed(m):
+            r = {"status": "skipped (not installed)", "package": PEERS[m][1]}
+        elif m in PEERS and ns.device != "cuda":
+            r = {"status": "skipped (needs CUDA)"}
+        elif ns.time_budget is not None and ns.time_budget - (time.time() - t_start) < 20:
+            r = {"status": "skipped (time budget)"}
+        else:
+            r = _run_method(ns, m, out, m in timeline_for, t_start)
+        r["method"] = m
+        r["label"] = LABELS[m]
+        if results["device"] is None and r.get("device"):
+            results["device"] = r["device"]
+        results["methods"][m] = r
+        _add_ratios(results)
+        save()
+        print(_row(m, r, results), flush=True)
+    results["elapsed_s"] = round(time.time() - t_start, 1)
+    _add_ratios(results)
+    save()
+    print()
+    print(format_table(results))
+    if not ns.no_plots:
+        try:
+            plot_bars(results, out / "bars.png")
+            if any(r.get("timeline") for r in results["methods"].values()):
+                plot_timeline(results, out / "memory_timeline.png")
+        except Exception as e:  # a plot must not lose the numbers
+            print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"\nwrote {res_path}")
+    ok = [r for r in results["methods"].values() if r["status"] in ("ok", "OOM") or r["status"].startswith("skipped")]
+    return 0 if len(ok) == len(results["methods"]) else 1
+
+
+def _run_method(ns, m: str, out: Path, timeline: bool, t_start: float) -> dict:
+    rf = out / f".result-{m}.json"
+    if rf.exists():
+        rf.unlink()
+    timeout = ns.method_timeout
+    if ns.time_budget is not None:
+        timeout = max(20.0, min(timeout, ns.time_budget - (time.time() - t_start)))
+    t0 = time.time()
+    try:
+        proc = subprocess.run(_worker_argv(ns, m, rf, timeline), env=_child_env(), timeout=timeout,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rc, log = proc.returncode, proc.stdout
+        timed_out = False
+    except subprocess.TimeoutExpired as e:
+        rc, timed_out = None, True
+        log = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    wall = round(time.time() - t0, 1)
+    r = None
+    if rf.exists():
+        try:
+            r = json.loads(rf.read_text())
+        except json.JSONDecodeError:
+            r = None
+        rf.unlink()
+    if r is None:
+        r = {"status": f"timeout after {timeout:.0f} s" if timed_out else "error",
+             "error": f"worker exit code {rc}, no result"}
+    elif timed_out:
+        r["status"] = f"timeout after {timeout:.0f} s"
+    r["process_s"] = wall
+    if r["status"] != "ok":
+        r["log_tail"] = log[-3000:]
+    if r["status"] == "error" or r["status"].startswith("timeout"):
+        sys.stdout.write(f"--- {m}: {r['status']}; last lines of its output:\n{log[-2000:]}\n")
+    return r
+
+
+def _ref(results: dict) -> str | None:
+    for k in REFERENCE_ORDER:
+        r = results["methods"].get(k)
+        if r and r.get("status") == "ok":
+            return k
+    return None
+
+
+def _add_ratios(results: dict) -> None:
+    ms = results["methods"]
+    ref = _ref(results)
+    results["reference"] = ref
+    none = ms.get("none") if ms.get("none", {}).get("status") == "ok" else None
+    for r in ms.values():
+        if r.get("status") != "ok":
+            continue
+        rat = {}
+        if ref:
+            rr = ms[ref]
+            rat["ms_vs_ref"] = _div(r.get("ms_median"), rr.get("ms_median"))
+            rat["gpu_ms_vs_ref"] = _div(r.get("gpu_ms_per_step"), rr.get("gpu_ms_per_step"))
+            rat["peak_vs_ref"] = _div(r.get("peak_gib"), rr.get("peak_gib"))
+        if none:
+            rat["ms_vs_none"] = _div(r.get("ms_median"), none.get("ms_median"))
+            rat["gpu_ms_vs_none"] = _div(r.get("gpu_ms_per_step"), none.get("gpu_ms_per_step"))
+        r["ratios"] = rat
+
+
+def _div(a, b):
+    if a is None or b is None or not b:
+        return None
+    return round(a / b, 4)
+
+
+def _fmt(x, spec=".1f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+COLUMNS = ["method", "status", "ms/step", "IQR ms", "GPU ms", "peak GiB", "tok/s", "TFLOP/s",
+           "ms/ref", "ms/none", "GPU/ref", "GiB/ref"]
+
+
+def _cells(m: str, r: dict) -> list[str]:
+    if r.get("status") != "ok":
+        st = r.get("status", "?")
+        extra = []
+        if st == "OOM" and r.get("peak_gib") is not None:
+            extra = ["", "", "", f">{r['peak_gib']:.1f}"]
+        return [m, st] + extra + [""] * (len(COLUMNS) - 2 - len(extra))
+    q = r.get("ms_iqr") or [None, None]
+    rat = r.get("ratios", {})
+    return [m, "ok", _fmt(r.get("ms_median")), f"{_fmt(q[0])}-{_fmt(q[1])}", _fmt(r.get("gpu_ms_per_step")),
+            _fmt(r.get("peak_gib"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"), _fmt(r.get("tflops"), ".1f"),
+            _fmt(rat.get("ms_vs_ref"), ".3f"), _fmt(rat.get("ms_vs_none"), ".3f"),
+            _fmt(rat.get("gpu_ms_vs_ref"), ".3f"), _fmt(rat.get("peak_vs_ref"), ".3f")]
+
+
+def _row(m: str, r: dict, results: dict) -> str:
+    c = _cells(m, r)
+    return "  " + "  ".join(f"{h}={v}" for h, v in zip(COLUMNS, c) if v not in ("", "-")) + \
+        (f"  ({r['process_s']:.0f} s)" if r.get("process_s") is not None else "")
+
+
+def format_table(results: dict) -> str:
+    rows = [COLUMNS] + [_cells(m, r) for m, r in results["methods"].items()]
+    w = [max(len(str(row[i])) for row in rows) for i in range(len(COLUMNS))]
+    lines = []
+    for j, row in enumerate(rows):
+        lines.append(" | ".join(str(v).ljust(w[i]) if i < 2 else str(v).rjust(w[i]) for i, v in enumerate(row)))
+        if j == 0:
+            lines.append("-+-".join("-" * x for x in w))
+    head = (f"{results['model']} BS={results['batch_size']} SEQ={results['seq_len']} "
+            f"{'compiled' if results['compile'] else 'eager'}"
+            f"{' +act-ckpt' if results['activation_checkpointing'] else ''} on {results.get('device') or results['device_type']}"
+            f"; ref = {results.get('reference')}")
+    notes = "".join(f"\nnote: {n}" for n in results.get("notes", []))
+    return head + "\n" + "\n".join(lines) + notes
+
+
+def markdown_table(results: dict) -> str:
+    rows = [_cells(m, r) for m, r in results["methods"].items()]
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(v if v else " " for v in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+# -------------------------------------------------------------------------------------------- plots
+def plot_bars(results: dict, path: Path, title: str | None = None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    items = list(results["methods"].items())
+    names = [m for m, _ in items]
+    colors = ["tab:red" if m.startswith("forge") else ("tab:gray" if m == "none" else "tab:blue") for m in names]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.8))
+    y = list(range(len(names)))
+    for ax, key, unit in ((axes[0], "ms_median", "ms / step (median, IQR)"), (axes[1], "peak_gib", "peak GiB allocated")):
+        vals, errs = [], [[], []]
+        for m, r in items:
+            v = r.get(key) if r.get("status") == "ok" else None
+            vals.append(v or 0.0)
+            if key == "ms_median" and v is not None and r.get("ms_iqr"):
+                errs[0].append(max(0.0, v - r["ms_iqr"][0]))
+                errs[1].append(max(0.0, r["ms_iqr"][1] - v))
+            else:
+                errs[0].append(0.0)
+                errs[1].append(0.0)
+        ax.barh(y, vals, color=colors, xerr=errs if key == "ms_median" else None, capsize=2)
+        top = max(v + e for v, e in zip(vals, errs[1])) if any(vals) else 1.0
+        for i, (m, r) in enumerate(items):
+            v = r.get(key) if r.get("status") == "ok" else None
+            if v is not None:
+                x = v + (errs[1][i] if key == "ms_median" else 0.0)
+                ax.text(x + 0.01 * top, i, f"{v:.1f}", va="center", fontsize=8)
+            else:
+                st = r.get("status", "")
+                if key == "peak_gib" and r.get("status") == "ok":
+                    st = "needs CUDA"
+                ax.text(0.01 * top, i, st, va="center", fontsize=8, color="dimgray")
+        ax.set_yticks(y)
+        ax.set_yticklabels([LABELS.get(m, m) for m in names] if ax is axes[0] else [])
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.set_xlim(0, top * 1.18)
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title or (f"{results['model']}, BS={results['batch_size']}, SEQ={results['seq_len']}, "
+                           f"{'torch.compile' if results['compile'] else 'eager'}, "
+                           f"{results.get('device') or results['device_type']} ({results['date'][:10]})"), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_timeline(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5))
+    styles = {"forge-bf16": "tab:red", "forge-int8": "darkred", "torch-fused-adamw": "tab:blue"}
+    for m, r in results["methods"].items():
+        tl = r.get("timeline")
+        if not tl:
+            continue
+        t = [p["t_ms"] for p in tl]
+        g = [p["gib"] for p in tl]
+        ax.plot(t, g, "-", marker=".", ms=3, lw=1.3, color=styles.get(m), label=f"{LABELS.get(m, m)} (peak {max(g):.1f} GiB)")
+        # phase boundaries of this method
+        for phase, ls in (("backward", "--"), ("step", ":")):
+            ts = [p["t_ms"] for p in tl if p["phase"] == phase]
+            if ts:
+                ax.axvline(ts[0], color=styles.get(m, "k"), ls=ls, lw=0.8, alpha=0.6)
+    ax.set_xlabel("time within one training step (ms; samples synchronize the device)")
+    ax.set_ylabel("torch.cuda.memory_allocated (GiB)")
+    ax.set_title(f"Within-step memory: {results['model']}, BS={results['batch_size']}, SEQ={results['seq_len']} "
+                 f"(dashed: backward starts, dotted: optimizer step)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------- worker
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if "forge" in n:
+        return "forge fused wgrad+update"
+    if "adam" in n or "multi_tensor_apply" in n:
+        return "optimizer (multi-tensor)"
+    if "optim" in n or "8bit" in n or "blockwise" in n:
+        return "optimizer (other)"
+    if "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n:
+        return "attention"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy/memset"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "matmul", "wgmma")):
+        return "GEMM"
+    if "triton" in n:
+        return "triton (inductor / other)"
+    return "elementwise/other"
+
+
+def _profile_gpu(step, batches, n: int) -> dict:
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(n):
+            step(batches(i))
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    total = 0.0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        total += us
+        s = by_name.setdefault(e.name, [0.0, 0])
+        s[0] += us
+        s[1] += 1
+    cats: dict[str, float] = {}
+    for name, (us, _) in by_name.items():
+        c = _kernel_category(name)
+        cats[c] = cats.get(c, 0.0) + us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    return {
+        "gpu_ms_per_step": round(total / 1e3 / n, 3),
+        "gpu_categories_ms": {k: round(v / 1e3 / n, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+        "gpu_top_kernels": [{"name": k[:160], "ms_per_step": round(us / 1e3 / n, 3), "calls_per_step": c / n}
+                            for k, (us, c) in top],
+        "gpu_kernel_launches_per_step": sum(c for _, c in by_name.values()) / n,
+    }
+
+
+def _make_method(m: str, model, lr: float, wd: float, device: str):
+    """Returns (optimizer-or-None, after_backward(), info)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    info: dict = {}
+    if m == "none":
+        return None, lambda: model.zero_grad(set_to_none=True), info
+    if m.startswith("forge-"):
+        import forge_optim
+
+        opt = forge_optim.AdamW(model, lr=lr, weight_decay=wd, state_dtype=m.split("-", 1)[1])
+        info["fused_modules"] = len(opt.fused_modules())
+        info["unfused_linears"] = {k: str(v) for k, v in opt.unfused_linears().items()}
+        info["backend"] = opt.backend_name
+    elif m == "torch-fused-adamw":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=True)
+    elif m == "torch-foreach-adamw":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=True)
+    elif m == "optimi-release":
+        import optimi
+
+        opt = optimi.AdamW(params, lr=lr, weight_decay=wd, gradient_release=True)
+        optimi.prepare_for_gradient_release(model, opt)
+        return opt, lambda: None, info  # hooks step and free each gradient inside backward
+    elif m in ("flashoptim", "flashoptim-release"):
+        import flashoptim
+
+        opt = flashoptim.FlashAdamW(params, lr=lr, weight_decay=wd)
+        if m == "flashoptim-release":
+            info["handle"] = flashoptim.enable_gradient_release(model, opt)
+            return opt, lambda: None, info
+    elif m == "bnb-adamw8bit":
+        import bitsandbytes as bnb
+
+        opt = bnb.optim.AdamW8bit(params, lr=lr, weight_decay=wd)
+    elif m == "torchao-adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        opt = AdamW8bit(params, lr=lr, weight_decay=wd)
+    else:
+        raise ValueError(m)
+
+    def after():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return opt, after, info
+
+
+def _decoder_layers(model):
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def _timeline(model, fwd, after, ids, cuda: bool) -> list[dict]:
+    """One instrumented step: memory_allocated after each decoder layer's forward, at the start of
+    each decoder layer's backward, and around the optimizer step."""
+    import torch
+
+    pts: list[dict] = []
+    t0 = [0.0]
+
+    def rec(phase, label):
+        if cuda:
+            torch.cuda.synchronize()
+            mem = torch.cuda.memory_allocated() / GIB
+        else:
+            mem = None
+        pts.append({"t_ms": round((time.perf_counter() - t0[0]) * 1e3, 3), "phase": phase, "label": label,
+                    "gib": None if mem is None else round(mem, 4)})
+
+    handles = []
+
+    def attach(mod, label):
+        def fhook(_m, _inp, out):
+            in_bwd = torch._C._current_graph_task_id() != -1
+            rec("recompute" if in_bwd else "forward", label)
+            o = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
+            if isinstance(o, torch.Tensor) and o.requires_grad and not in_bwd:
+                o.register_hook(lambda g: rec("backward", label))
+        handles.append(mod.register_forward_hook(fhook))
+
+    emb = model.get_input_embeddings()
+    attach(emb, "embedding")
+    for i, layer in enumerate(_decoder_layers(model)):
+        attach(layer, f"layer {i}")
+    head = model.get_output_embeddings()
+    if head is not None:
+        attach(head, "lm_head")
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+        t0[0] = time.perf_counter()
+        rec("start", "start")
+        loss = fwd(input_ids=ids, labels=ids).loss
+        rec("loss", "loss")
+        loss.backward()
+        rec("step", "backward done")
+        after()
+        rec("step", "step done")
+    finally:
+        for h in handles:
+            h.remove()
+    return pts
+
+
+def worker_main(ns: argparse.Namespace) -> int:
+    m = ns.worker
+    r: dict = {"status": "error"}
+    rf = Path(ns.result_file) if ns.result_file else None
+
+    def save():
+        if rf is not None:
+            rf.write_text(json.dumps(r, default=str))
+
+    try:
+        _worker(ns, m, r, save)
+    except ImportError as e:
+        r["status"] = "skipped (import failed)"
+        r["error"] = f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        import torch
+
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        r["status"] = "OOM" if oom else "error"
+        r["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            r["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        if not oom:
+            import traceback
+            r["traceback"] = traceback.format_exc()[-3000:]
+            traceback.print_exc()
+    save()
+    return 0 if r["status"] in ("ok", "OOM") or r["status"].startswith("skipped") else 1
+
+
+def _worker(ns, m: str, r: dict, save) -> None:
+    import resource
+    import statistics
+
+    import torch
+
+    from ..bench_models import build_model, config_dict, count_params
+
+    device = resolve_device(ns.device)
+    cuda = device == "cuda"
+    if ns.model == "auto":
+        ns.model = "Llama-3.1-8B" if cuda else "tiny"
+    torch.manual_seed(0)
+    cfgd = config_dict(None if ns.config else ns.model, ns.config, ns.layers)
+    r["phase"] = "build"
+    if cuda:
+        r["device"] = torch.cuda.get_device_name()
+        r["cuda_version"] = torch.version.cuda
+    else:
+        r["device"] = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    t = time.perf_counter()
+    model = build_model(cfgd, device, torch.bfloat16)
+    if cuda:
+        torch.cuda.synchronize()
+    r["build_s"] = round(time.perf_counter() - t, 2)
+    r["model_gib"] = round(sum(p.numel() * p.element_size() for p in model.parameters()) / GIB, 3)
+    if ns.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt, after, info = _make_method(m, model, ns.lr, ns.weight_decay, device)
+    info.pop("handle", None)
+    r.update(info)
+    fwd = torch.compile(model) if ns.compile else model
+    vocab = model.config.vocab_size
+    B, S = ns.batch_size, ns.seq_len
+    gen = torch.Generator(device=device)
+    gen.manual_seed(1234)
+
+    def batch(_i=None):
+        return torch.randint(0, vocab, (B, S), device=device, generator=gen)
+
+    def step(ids):
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        after()
+        return loss
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    r["phase"] = "warmup"
+    warm = []
+    for _ in range(ns.warmup):
+        ids = batch()
+        sync()
+        t = time.perf_counter()
+        loss = step(ids)
+        sync()
+        warm.append(round((time.perf_counter() - t) * 1e3, 2))
+    r["warmup_ms"] = warm
+    if cuda:
+        r["mem_after_warmup_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
+        r["peak_warmup_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)  # build + warm-up
+        torch.cuda.reset_peak_memory_stats()  # steady-state peak from here
+    r["phase"] = "measure"
+    times, losses = [], []
+    for _ in range(ns.steps):
+        ids = batch()
+        sync()
+        t = time.perf_counter()
+        loss = step(ids)
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+        losses.append(loss.detach())
+    med = statistics.median(times)
+    qs = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [med, med, med]
+    tokens = B * S
+    counts = count_params(cfgd)
+    L = cfgd["num_hidden_layers"]
+    hd = cfgd.get("head_dim") or cfgd["hidden_size"] // cfgd["num_attention_heads"]
+    flops = 6 * counts["matmul"] * tokens + 12 * L * cfgd["num_attention_heads"] * hd * S * tokens
+    r.update({
+        "ms_median": round(med, 3), "ms_iqr": [round(qs[0], 3), round(qs[2], 3)],
+        "ms_mean": round(statistics.fmean(times), 3), "ms_min": round(min(times), 3),
+        "ms_all": [round(x, 3) for x in times],
+        "tokens_per_s": round(tokens / (med / 1e3), 1),
+        "tflops": float(f"{flops / (med / 1e3) / 1e12:.4g}"), "flops_per_step": flops,
+        "loss_first": float(losses[0]) if losses else None, "loss_last": float(losses[-1]) if losses else None,
+        "first_step_ms": warm[0] if warm else None,
+    })
+    if cuda:
+        r["peak_steady_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+        r["mem_steady_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
+        r["peak_gib"] = max(r["peak_steady_gib"], r["peak_warmup_gib"])  # build + warm-up + timed steps
+    r["status"] = "ok"
+    save()  # the timed numbers are safe from here on
+    if cuda and ns.profile_steps > 0:
+        r["phase"] = "profile"
+        try:
+            r.update(_profile_gpu(step, batch, ns.profile_steps))
+        except Exception as e:  # noqa: BLE001
+            r["profile_error"] = f"{type(e).__name__}: {e}"
+        save()
+    if ns.timeline and not ns.compile:
+        r["phase"] = "timeline"
+        try:
+            r["timeline"] = _timeline(model, fwd, after, batch(), cuda)
+        except Exception as e:  # noqa: BLE001
+            r["timeline_error"] = f"{type(e).__name__}: {e}"
+        save()
+    if cuda:  # the profiled and instrumented steps, separately (not part of peak_gib)
+        r["peak_after_timed_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+    r["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    r["phase"] = "done"
+    if not cuda:
+        r["memory"] = "needs CUDA"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
