@@ -239,7 +239,7 @@ if INTERP:
         job, ref = run_both(job, dy, x, backend=TritonBackend(config=cfg))
         compare(job, ref, mode, f"tiling/{mode}")
 
-    @pytest.mark.parametrize("shape", [(1, 64, 1), (33, 65, 2), (17, 3, 5)])
+    @pytest.mark.parametrize("shape", [(1, 64, 1), (33, 65, 2), (17, 3, 5), (40, 70, 0)])
     def test_small_odd_shapes(shape):
         M, N, BT = shape
         job = make_job("AdamW", "int8", M, N)

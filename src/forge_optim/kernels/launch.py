@@ -170,7 +170,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         use_tma = False
     else:
         nprogs = max(1, min(tiles, _sm_count(weight.device) * cfg.progs_per_sm))
-        use_tma = cfg.use_tma and _tma_ok(dy, x)
+        use_tma = cfg.use_tma and BT > 0 and _tma_ok(dy, x)
         if use_tma:
             _ensure_allocator()
     accumulate = mode == fused.MODE_ACCUMULATE
