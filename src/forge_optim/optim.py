@@ -21,7 +21,6 @@ from . import dtensor, patch, precision
 from .autograd import Use, register_handle
 from .backends import BACKEND_NAMES, StateView, TorchBackend, UpdateJob, apply_update, make_backend, triton_available
 from .rules import Rule
-from .rules import base as rule_base
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
 _TORCH_ONLY_FLAGS = dict(foreach=None, fused=None, capturable=False, differentiable=False)
@@ -308,13 +307,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
         step = int(state["step"].item())
         coeffs = self.rule.padded(self.rule.coefficients(group, state, step))
         idx = self._index_of(p)
-        views = []
-        keys = [0] * rule_base.NUM_SLOTS
+        views, keys = [], []
         for spec in self.rule.state_specs(group):
             data = dtensor.local(state[spec.name])
             scale = state.get(spec.name + "_scale") if data.dtype in (torch.int8, torch.uint8) else None
             views.append(StateView(spec, _as_2d(data), None if scale is None else dtensor.local(scale)))
-            keys[spec.slot] = precision.stream_key(self.seed, idx, step, precision.SITE_STATE0 + spec.slot)
+            keys.append(precision.stream_key(self.seed, idx, step, precision.SITE_STATE0 + spec.slot))
         return UpdateJob(
             weight=weight2d, rule=self.rule, coeffs=coeffs, states=views,
             grad_sign=-1.0 if group.get("maximize", False) else 1.0,

@@ -42,7 +42,7 @@ class UpdateJob:
     stochastic_weight: bool = False  # stochastic rounding for a bf16 weight store
     stochastic_state: bool = False  # stochastic rounding for bf16 state stores
     key_weight: int = 0  # hash keys (precision.stream_key), one per store site
-    key_states: tuple = (0, 0, 0)  # per slot
+    key_states: tuple = (0, 0, 0)  # one per entry of ``states``, in that order
     nonfinite: torch.Tensor | None = None  # int64 scalar on the weight's device: skipped coordinates, added to
 
 

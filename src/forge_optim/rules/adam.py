@@ -22,27 +22,27 @@ class Adam(Rule):
     def coefficients(group, state, step):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
-        return (group["weight_decay"], beta1, beta2, group["eps"],
+        return (group["weight_decay"], 1 - beta1, beta2, 1 - beta2, group["eps"],
                 lr / (1 - beta1**step), math.sqrt(1 - beta2**step))
 
     @staticmethod
     def update(w, g, s, c):
-        wd, beta1, beta2, eps, step_size, bc2_sqrt = c[:6]
+        wd, omb1, beta2, omb2, eps, step_size, bc2_sqrt = c[:7]
         if wd != 0:
             g = g + w * wd
         m, v = s
-        m = torch.lerp(m, g, 1 - beta1)
-        v = v * beta2 + g * g * (1 - beta2)
+        m = torch.lerp(m, g, omb1)
+        v = v * beta2 + g * g * omb2
         denom = v.sqrt() / bc2_sqrt + eps
         w = w - step_size * (m / denom)
         return w, [m, v]
 
     @staticmethod
     @jit
-    def triton_update(w, g, s0, s1, s2, wd, beta1, beta2, eps, step_size, bc2_sqrt, c6, c7):
+    def triton_update(w, g, s0, s1, s2, wd, omb1, beta2, omb2, eps, step_size, bc2_sqrt, c7):
         g = g + w * wd
-        s0 = s0 + (1 - beta1) * (g - s0)
-        s1 = s1 * beta2 + g * g * (1 - beta2)
+        s0 = s0 + omb1 * (g - s0)
+        s1 = s1 * beta2 + g * g * omb2
         denom = tl.sqrt(s1) / bc2_sqrt + eps
         w = w - step_size * (s0 / denom)
         return w, s0, s1, s2

@@ -24,26 +24,27 @@ class AdamW(Rule):
         lr = group["lr"]
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
-        return (lr, group["weight_decay"], beta1, beta2, group["eps"],
+        # 1 - beta and 1 - lr*wd are formed here in fp64, as torch.optim forms them in Python
+        return (1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, group["eps"],
                 lr / bias_correction1, math.sqrt(bias_correction2))
 
     @staticmethod
     def update(w, g, s, c):
-        lr, wd, beta1, beta2, eps, step_size, bc2_sqrt = c[:7]
+        decay, omb1, beta2, omb2, eps, step_size, bc2_sqrt = c[:7]
         m, v = s
-        w = w * (1 - lr * wd)
-        m = torch.lerp(m, g, 1 - beta1)
-        v = v * beta2 + g * g * (1 - beta2)
+        w = w * decay
+        m = torch.lerp(m, g, omb1)
+        v = v * beta2 + g * g * omb2
         denom = v.sqrt() / bc2_sqrt + eps
         w = w - step_size * (m / denom)
         return w, [m, v]
 
     @staticmethod
     @jit
-    def triton_update(w, g, s0, s1, s2, lr, wd, beta1, beta2, eps, step_size, bc2_sqrt, c7):
-        w = w * (1 - lr * wd)
-        s0 = s0 + (1 - beta1) * (g - s0)
-        s1 = s1 * beta2 + g * g * (1 - beta2)
+    def triton_update(w, g, s0, s1, s2, decay, omb1, beta2, omb2, eps, step_size, bc2_sqrt, c7):
+        w = w * decay
+        s0 = s0 + omb1 * (g - s0)
+        s1 = s1 * beta2 + g * g * omb2
         denom = tl.sqrt(s1) / bc2_sqrt + eps
         w = w - step_size * (s0 / denom)
         return w, s0, s1, s2

@@ -89,4 +89,9 @@ def _check(group: dict, key: str, ok, what: str) -> None:
         raise ValueError(f"invalid {key}: {v!r} (need {what})")
 
 
-
+def weight_decay_term(group: dict) -> float:
+    """One coefficient for either kind of weight decay: > 0 is the decoupled factor 1 - lr*wd,
+    <= 0 is minus the L2 coefficient (so -0.0 when there is no decay)."""
+    if group["decoupled_weight_decay"]:
+        return 1 - group["lr"] * group["weight_decay"]
+    return -group["weight_decay"]

@@ -23,24 +23,24 @@ class Lion(Rule):
     @staticmethod
     def coefficients(group, state, step):
         beta1, beta2 = group["betas"]
-        return (group["lr"], group["weight_decay"], beta1, beta2)
+        return (1 - group["lr"] * group["weight_decay"], group["lr"], beta1, 1 - beta1, beta2, 1 - beta2)
 
     @staticmethod
     def update(w, g, s, c):
-        lr, wd, beta1, beta2 = c[:4]
+        decay, lr, beta1, omb1, beta2, omb2 = c[:6]
         (m,) = s
-        w = w * (1 - lr * wd)
-        direction = torch.sign(m * beta1 + g * (1 - beta1))
+        w = w * decay
+        direction = torch.sign(m * beta1 + g * omb1)
         w = w - lr * direction
-        m = m * beta2 + g * (1 - beta2)
+        m = m * beta2 + g * omb2
         return w, [m]
 
     @staticmethod
     @jit
-    def triton_update(w, g, s0, s1, s2, lr, wd, beta1, beta2, c4, c5, c6, c7):
-        w = w * (1 - lr * wd)
-        c = s0 * beta1 + g * (1 - beta1)
+    def triton_update(w, g, s0, s1, s2, decay, lr, beta1, omb1, beta2, omb2, c6, c7):
+        w = w * decay
+        c = s0 * beta1 + g * omb1
         direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
         w = w - lr * direction
-        s0 = s0 * beta2 + g * (1 - beta2)
+        s0 = s0 * beta2 + g * omb2
         return w, s0, s1, s2

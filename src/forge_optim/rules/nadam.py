@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .._triton import jit, tl  # noqa: F401
-from .base import Rule, StateSpec
+from .base import Rule, StateSpec, weight_decay_term
 
 
 class NAdam(Rule):
@@ -33,8 +33,7 @@ class NAdam(Rule):
         # torch keeps mu_product as an fp32 tensor and multiplies in fp32: do the same.
         state["mu_product"] *= mu
         mu_product = state["mu_product"].item()
-        decoupled = 1.0 if group["decoupled_weight_decay"] else 0.0
-        return (lr * wd * decoupled, wd * (1.0 - decoupled), beta1, beta2, group["eps"],
+        return (weight_decay_term(group), 1 - beta1, beta2, 1 - beta2, group["eps"],
                 1 - beta2**step,
                 -lr * (1.0 - mu) / (1.0 - mu_product),
                 -lr * mu_next / (1.0 - mu_product * mu_next))
@@ -42,14 +41,14 @@ class NAdam(Rule):
 
     @staticmethod
     def update(w, g, s, c):
-        decay_w, l2, beta1, beta2, eps, bc2, c_grad, c_avg = c[:8]
-        if decay_w != 0:
-            w = w * (1 - decay_w)
-        if l2 != 0:
-            g = g + w * l2
+        wd_term, omb1, beta2, omb2, eps, bc2, c_grad, c_avg = c[:8]
+        if wd_term > 0:
+            w = w * wd_term
+        elif wd_term < 0:
+            g = g + w * (-wd_term)
         m, v = s
-        m = torch.lerp(m, g, 1 - beta1)
-        v = v * beta2 + g * g * (1 - beta2)
+        m = torch.lerp(m, g, omb1)
+        v = v * beta2 + g * g * omb2
         denom = (v / bc2).sqrt() + eps
         w = w + c_grad * (g / denom)
         w = w + c_avg * (m / denom)
@@ -57,11 +56,13 @@ class NAdam(Rule):
 
     @staticmethod
     @jit
-    def triton_update(w, g, s0, s1, s2, decay_w, l2, beta1, beta2, eps, bc2, c_grad, c_avg):
-        w = w * (1 - decay_w)
-        g = g + w * l2
-        s0 = s0 + (1 - beta1) * (g - s0)
-        s1 = s1 * beta2 + g * g * (1 - beta2)
+    def triton_update(w, g, s0, s1, s2, wd_term, omb1, beta2, omb2, eps, bc2, c_grad, c_avg):
+        if wd_term > 0:
+            w = w * wd_term
+        else:
+            g = g - w * wd_term
+        s0 = s0 + omb1 * (g - s0)
+        s1 = s1 * beta2 + g * g * omb2
         denom = tl.sqrt(s1 / bc2) + eps
         w = w + c_grad * (g / denom)
         w = w + c_avg * (s0 / denom)

@@ -6,7 +6,7 @@ import math
 import torch
 
 from .._triton import jit, tl  # noqa: F401
-from .base import Rule, StateSpec
+from .base import Rule, StateSpec, weight_decay_term
 
 
 class RAdam(Rule):
@@ -22,7 +22,7 @@ class RAdam(Rule):
     @staticmethod
     def coefficients(group, state, step):
         beta1, beta2 = group["betas"]
-        lr, wd = group["lr"], group["weight_decay"]
+        lr = group["lr"]
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         rho_inf = 2 / (1 - beta2) - 1
@@ -32,20 +32,19 @@ class RAdam(Rule):
             adaptive = 1.0
         else:
             rect, adaptive = 0.0, 0.0
-        decoupled = 1.0 if group["decoupled_weight_decay"] else 0.0
-        return (lr * wd * decoupled, wd * (1.0 - decoupled), beta1, beta2, group["eps"],
+        return (weight_decay_term(group), 1 - beta1, beta2, 1 - beta2, group["eps"],
                 lr / bias_correction1, rect * math.sqrt(bias_correction2), adaptive)
 
     @staticmethod
     def update(w, g, s, c):
-        decay_w, l2, beta1, beta2, eps, lr_bc1, rect_sqrt_bc2, adaptive = c[:8]
-        if decay_w != 0:
-            w = w * (1 - decay_w)
-        if l2 != 0:
-            g = g + w * l2
+        wd_term, omb1, beta2, omb2, eps, lr_bc1, rect_sqrt_bc2, adaptive = c[:8]
+        if wd_term > 0:
+            w = w * wd_term
+        elif wd_term < 0:
+            g = g + w * (-wd_term)
         m, v = s
-        m = torch.lerp(m, g, 1 - beta1)
-        v = v * beta2 + g * g * (1 - beta2)
+        m = torch.lerp(m, g, omb1)
+        v = v * beta2 + g * g * omb2
         if adaptive:  # rectified: lr/bc1 * m * rect * sqrt(bc2) / (sqrt(v) + eps)
             w = w - (m * lr_bc1) * (rect_sqrt_bc2 / (v.sqrt() + eps))
         else:  # variance not yet tractable: un-adapted momentum step
@@ -54,11 +53,13 @@ class RAdam(Rule):
 
     @staticmethod
     @jit
-    def triton_update(w, g, s0, s1, s2, decay_w, l2, beta1, beta2, eps, lr_bc1, rect_sqrt_bc2, adaptive):
-        w = w * (1 - decay_w)
-        g = g + w * l2
-        s0 = s0 + (1 - beta1) * (g - s0)
-        s1 = s1 * beta2 + g * g * (1 - beta2)
+    def triton_update(w, g, s0, s1, s2, wd_term, omb1, beta2, omb2, eps, lr_bc1, rect_sqrt_bc2, adaptive):
+        if wd_term > 0:
+            w = w * wd_term
+        else:
+            g = g - w * wd_term
+        s0 = s0 + omb1 * (g - s0)
+        s1 = s1 * beta2 + g * g * omb2
         if adaptive != 0:
             w = w - (s0 * lr_bc1) * (rect_sqrt_bc2 / (tl.sqrt(s1) + eps))
         else:

@@ -1,6 +1,8 @@
 """RMSprop, optionally centered and with momentum (torch.optim.RMSprop)."""
 from __future__ import annotations
 
+import torch
+
 from .._triton import jit, tl  # noqa: F401
 from .base import Rule, StateSpec
 
@@ -29,19 +31,19 @@ class RMSprop(Rule):
 
     @staticmethod
     def coefficients(group, state, step):
-        return (group["lr"], group["weight_decay"], group["alpha"], group["eps"], group["momentum"],
-                1.0 if group["centered"] else 0.0)
+        return (group["lr"], group["weight_decay"], group["alpha"], 1 - group["alpha"], group["eps"],
+                group["momentum"], 1.0 if group["centered"] else 0.0)
 
     @staticmethod
     def update(w, g, s, c):
-        lr, wd, alpha, eps, momentum, centered = c[:6]
+        lr, wd, alpha, oma, eps, momentum, centered = c[:7]
         if wd != 0:
             g = g + w * wd
         s = list(s)
-        sq = s[0] * alpha + g * g * (1 - alpha)
+        sq = s[0] * alpha + g * g * oma
         s[0] = sq
         if centered:
-            ga = s[-1] + (1 - alpha) * (g - s[-1])
+            ga = torch.lerp(s[-1], g, oma)
             s[-1] = ga
             avg = (sq - ga * ga).sqrt() + eps
         else:
@@ -56,12 +58,12 @@ class RMSprop(Rule):
 
     @staticmethod
     @jit
-    def triton_update(w, g, s0, s1, s2, lr, wd, alpha, eps, momentum, centered, c6, c7):
+    def triton_update(w, g, s0, s1, s2, lr, wd, alpha, oma, eps, momentum, centered, c7):
         # slots: s0 = square_avg, s1 = momentum_buffer, s2 = grad_avg
         g = g + w * wd
-        s0 = s0 * alpha + g * g * (1 - alpha)
+        s0 = s0 * alpha + g * g * oma
         if centered != 0:
-            s2 = s2 + (1 - alpha) * (g - s2)
+            s2 = s2 + oma * (g - s2)
             avg = tl.sqrt(s0 - s2 * s2) + eps
         else:
             avg = tl.sqrt(s0) + eps
