@@ -90,7 +90,7 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
                 b = p2.full_tensor() if hasattr(p2, "full_tensor") else p2
                 resumed = max(resumed, (a - b).abs().max().item())
         q.put((rank, worst, resumed, None))
-    except Exception as err:  # report instead of hanging the other ranks' assertions
+    except Exception:  # report instead of hanging the other ranks' assertions
         import traceback
 
         q.put((rank, None, None, traceback.format_exc()))

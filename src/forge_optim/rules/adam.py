@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .._triton import jit, tl  # noqa: F401
-from .base import Rule, StateSpec
+from ._moments import ADAM_STATES, adam_moments, adam_moments_tl
+from .base import Rule
 
 
 class Adam(Rule):
@@ -16,7 +15,7 @@ class Adam(Rule):
 
     @classmethod
     def state_specs(cls, group):
-        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+        return ADAM_STATES
 
     @staticmethod
     def coefficients(group, state, step):
@@ -30,9 +29,7 @@ class Adam(Rule):
         wd, omb1, beta2, omb2, eps, step_size, bc2_sqrt = c[:7]
         if wd != 0:
             g = g + w * wd
-        m, v = s
-        m = torch.lerp(m, g, omb1)
-        v = v * beta2 + g * g * omb2
+        m, v = adam_moments(*s, g, omb1, beta2, omb2)
         denom = v.sqrt() / bc2_sqrt + eps
         w = w - step_size * (m / denom)
         return w, [m, v]
@@ -41,8 +38,7 @@ class Adam(Rule):
     @jit
     def triton_update(w, g, s0, s1, s2, wd, omb1, beta2, omb2, eps, step_size, bc2_sqrt, c7):
         g = g + w * wd
-        s0 = s0 + omb1 * (g - s0)
-        s1 = s1 * beta2 + g * g * omb2
+        s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
         denom = tl.sqrt(s1) / bc2_sqrt + eps
         w = w - step_size * (s0 / denom)
         return w, s0, s1, s2

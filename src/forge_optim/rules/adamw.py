@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .._triton import jit, tl  # noqa: F401  (tl is used inside the jitted function)
-from .base import Rule, StateSpec
+from ._moments import ADAM_STATES, adam_moments, adam_moments_tl
+from .base import Rule
 
 
 class AdamW(Rule):
@@ -16,7 +15,7 @@ class AdamW(Rule):
 
     @classmethod
     def state_specs(cls, group):
-        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+        return ADAM_STATES
 
     @staticmethod
     def coefficients(group, state, step):
@@ -31,10 +30,8 @@ class AdamW(Rule):
     @staticmethod
     def update(w, g, s, c):
         decay, omb1, beta2, omb2, eps, step_size, bc2_sqrt = c[:7]
-        m, v = s
         w = w * decay
-        m = torch.lerp(m, g, omb1)
-        v = v * beta2 + g * g * omb2
+        m, v = adam_moments(*s, g, omb1, beta2, omb2)
         denom = v.sqrt() / bc2_sqrt + eps
         w = w - step_size * (m / denom)
         return w, [m, v]
@@ -43,8 +40,7 @@ class AdamW(Rule):
     @jit
     def triton_update(w, g, s0, s1, s2, decay, omb1, beta2, omb2, eps, step_size, bc2_sqrt, c7):
         w = w * decay
-        s0 = s0 + omb1 * (g - s0)
-        s1 = s1 * beta2 + g * g * omb2
+        s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
         denom = tl.sqrt(s1) / bc2_sqrt + eps
         w = w - step_size * (s0 / denom)
         return w, s0, s1, s2

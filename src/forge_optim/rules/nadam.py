@@ -1,10 +1,9 @@
 """NAdam with momentum decay (torch.optim.NAdam), L2 or decoupled weight decay."""
 from __future__ import annotations
 
-import torch
-
 from .._triton import jit, tl  # noqa: F401
-from .base import Rule, StateSpec, weight_decay_term
+from ._moments import ADAM_STATES, adam_moments, adam_moments_tl, apply_weight_decay, apply_weight_decay_tl
+from .base import Rule, weight_decay_term
 
 
 class NAdam(Rule):
@@ -16,7 +15,7 @@ class NAdam(Rule):
 
     @classmethod
     def state_specs(cls, group):
-        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+        return ADAM_STATES
 
     @classmethod
     def validate(cls, group):
@@ -27,7 +26,7 @@ class NAdam(Rule):
     @staticmethod
     def coefficients(group, state, step):
         beta1, beta2 = group["betas"]
-        lr, wd, md = group["lr"], group["weight_decay"], group["momentum_decay"]
+        lr, md = group["lr"], group["momentum_decay"]
         mu = beta1 * (1.0 - 0.5 * (0.96 ** (step * md)))
         mu_next = beta1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * md)))
         # torch keeps mu_product as an fp32 tensor and multiplies in fp32: do the same.
@@ -42,13 +41,8 @@ class NAdam(Rule):
     @staticmethod
     def update(w, g, s, c):
         wd_term, omb1, beta2, omb2, eps, bc2, c_grad, c_avg = c[:8]
-        if wd_term > 0:
-            w = w * wd_term
-        elif wd_term < 0:
-            g = g + w * (-wd_term)
-        m, v = s
-        m = torch.lerp(m, g, omb1)
-        v = v * beta2 + g * g * omb2
+        w, g = apply_weight_decay(w, g, wd_term)
+        m, v = adam_moments(*s, g, omb1, beta2, omb2)
         denom = (v / bc2).sqrt() + eps
         w = w + c_grad * (g / denom)
         w = w + c_avg * (m / denom)
@@ -57,12 +51,8 @@ class NAdam(Rule):
     @staticmethod
     @jit
     def triton_update(w, g, s0, s1, s2, wd_term, omb1, beta2, omb2, eps, bc2, c_grad, c_avg):
-        if wd_term > 0:
-            w = w * wd_term
-        else:
-            g = g - w * wd_term
-        s0 = s0 + omb1 * (g - s0)
-        s1 = s1 * beta2 + g * g * omb2
+        w, g = apply_weight_decay_tl(w, g, wd_term)
+        s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
         denom = tl.sqrt(s1 / bc2) + eps
         w = w + c_grad * (g / denom)
         w = w + c_avg * (s0 / denom)

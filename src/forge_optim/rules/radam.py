@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .._triton import jit, tl  # noqa: F401
-from .base import Rule, StateSpec, weight_decay_term
+from ._moments import ADAM_STATES, adam_moments, adam_moments_tl, apply_weight_decay, apply_weight_decay_tl
+from .base import Rule, weight_decay_term
 
 
 class RAdam(Rule):
@@ -17,7 +16,7 @@ class RAdam(Rule):
 
     @classmethod
     def state_specs(cls, group):
-        return (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
+        return ADAM_STATES
 
     @staticmethod
     def coefficients(group, state, step):
@@ -38,13 +37,8 @@ class RAdam(Rule):
     @staticmethod
     def update(w, g, s, c):
         wd_term, omb1, beta2, omb2, eps, lr_bc1, rect_sqrt_bc2, adaptive = c[:8]
-        if wd_term > 0:
-            w = w * wd_term
-        elif wd_term < 0:
-            g = g + w * (-wd_term)
-        m, v = s
-        m = torch.lerp(m, g, omb1)
-        v = v * beta2 + g * g * omb2
+        w, g = apply_weight_decay(w, g, wd_term)
+        m, v = adam_moments(*s, g, omb1, beta2, omb2)
         if adaptive:  # rectified: lr/bc1 * m * rect * sqrt(bc2) / (sqrt(v) + eps)
             w = w - (m * lr_bc1) * (rect_sqrt_bc2 / (v.sqrt() + eps))
         else:  # variance not yet tractable: un-adapted momentum step
@@ -54,12 +48,8 @@ class RAdam(Rule):
     @staticmethod
     @jit
     def triton_update(w, g, s0, s1, s2, wd_term, omb1, beta2, omb2, eps, lr_bc1, rect_sqrt_bc2, adaptive):
-        if wd_term > 0:
-            w = w * wd_term
-        else:
-            g = g - w * wd_term
-        s0 = s0 + omb1 * (g - s0)
-        s1 = s1 * beta2 + g * g * omb2
+        w, g = apply_weight_decay_tl(w, g, wd_term)
+        s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
         if adaptive != 0:
             w = w - (s0 * lr_bc1) * (rect_sqrt_bc2 / (tl.sqrt(s1) + eps))
         else:
