@@ -107,6 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds for the whole run: methods not started in time are reported as skipped")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--plot-only", default=None, metavar="RESULTS_JSON",
+                   help="redraw bars.png and memory_timeline.png from a results.json (into --out-dir or its folder)")
     # internal: run one method in this process
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
@@ -155,6 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if ns.worker:
         return worker_main(ns)
+    if ns.plot_only:
+        res = json.loads(Path(ns.plot_only).read_text())
+        out = Path(ns.out_dir) if ns.out_dir else Path(ns.plot_only).parent
+        out.mkdir(parents=True, exist_ok=True)
+        print(format_table(res))
+        plot_bars(res, out / "bars.png")
+        if any(r.get("timeline") for r in res["methods"].values()):
+            plot_timeline(res, out / "memory_timeline.png")
+        return 0
     return run_parsed(ns, argv)
 
 
@@ -223,6 +234,8 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     cfg = config_dict(None if ns.config else ns.model, ns.config, ns.layers)
     counts = count_params(cfg)
     model_name = Path(ns.config).stem if ns.config else ns.model
+    if ns.layers is not None:
+        model_name += f" ({ns.layers} layers)"
     stamp = _dt.datetime.now(_dt.timezone.utc)
     out = Path(ns.out_dir) if ns.out_dir else Path("benchmarks/runs") / stamp.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
@@ -336,7 +349,11 @@ def _run_method(ns, m: str, out: Path, timeline: bool, t_start: float) -> dict:
         r = {"status": f"timeout after {timeout:.0f} s" if timed_out else "error",
              "error": f"worker exit code {rc}, no result"}
     elif timed_out:
-        r["status"] = f"timeout after {timeout:.0f} s"
+        if r.get("status") == "ok":  # the timed steps were saved before the process was stopped
+            r["killed_in_phase"] = r.get("phase")
+            r["note"] = f"stopped after {timeout:.0f} s in phase '{r.get('phase')}'; the timed steps are complete"
+        else:
+            r["status"] = f"timeout after {timeout:.0f} s"
     r["process_s"] = wall
     if r["status"] != "ok":
         r["log_tail"] = log[-3000:]
@@ -498,12 +515,13 @@ def plot_timeline(results: dict, path: Path) -> None:
             ts = [p["t_ms"] for p in tl if p["phase"] == phase]
             if ts:
                 ax.axvline(ts[0], color=styles.get(m, "k"), ls=ls, lw=0.8, alpha=0.6)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("time within one training step (ms; samples synchronize the device)")
     ax.set_ylabel("torch.cuda.memory_allocated (GiB)")
     ax.set_title(f"Within-step memory: {results['model']}, BS={results['batch_size']}, SEQ={results['seq_len']} "
                  f"(dashed: backward starts, dotted: optimizer step)", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=9)
+    ax.legend(loc="lower right", fontsize=9, framealpha=0.95)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -540,8 +558,12 @@ def _profile_gpu(step, batches, n: int) -> dict:
         torch.cuda.synchronize()
     by_name: dict[str, list] = {}
     total = 0.0
-    for e in prof.events():
-        if e.device_type != DeviceType.CUDA:
+    events = prof.events()
+    # record_function ranges (e.g. 'Optimizer.step#AdamW.step') also appear as GPU-side user
+    # annotations spanning their kernels: count kernels, memcpy and memset only.
+    cpu_names = {e.name for e in events if e.device_type != DeviceType.CUDA}
+    for e in events:
+        if e.device_type != DeviceType.CUDA or e.name in cpu_names or e.name.startswith("ProfilerStep"):
             continue
         us = e.time_range.elapsed_us()
         total += us
@@ -794,6 +816,7 @@ def _worker(ns, m: str, r: dict, save) -> None:
         r["mem_steady_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
         r["peak_gib"] = max(r["peak_steady_gib"], r["peak_warmup_gib"])  # build + warm-up + timed steps
     r["status"] = "ok"
+    r["phase"] = "profile" if cuda and ns.profile_steps > 0 else "timeline"
     save()  # the timed numbers are safe from here on
     if cuda and ns.profile_steps > 0:
         r["phase"] = "profile"
