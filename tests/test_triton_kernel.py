@@ -324,6 +324,19 @@ if INTERP:
         TorchBackend().update(ref, dy, x)
         compare(job, ref, "fp32", "mixed")
 
+    @pytest.mark.parametrize("mode", ["fp32", "int8"])
+    def test_update_from_grad_in_chunks(mode, monkeypatch):
+        """Unfused parameters: the gradient enters a BT=0 launch as the buffer, chunk by chunk."""
+        from forge_optim.backends import base as backend_base
+
+        monkeypatch.setattr(backend_base, "CHUNK_ELEMENTS", 3 * N0)  # several chunks, a ragged last one
+        job = make_job("AdamW", mode, M0, N0)
+        ref = copy.deepcopy(job)
+        grad = torch.randn(M0, N0, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        TritonBackend().update_from_grad(job, grad)
+        TorchBackend().update_from_grad(ref, grad)
+        compare(job, ref, mode, "from-grad")
+
     def test_fallback_noncontiguous_weight():
         job = make_job("AdamW", "fp32", N0, M0)
         job.weight = job.weight.t()  # [M0, N0] view, not contiguous

@@ -9,7 +9,6 @@ biases, tied or shared weights) with the same rule, LR schedulers edit ``param_g
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -19,7 +18,7 @@ import torch.nn as nn
 
 from . import dtensor, patch, precision
 from .autograd import Use, register_handle
-from .backends import BACKEND_NAMES, StateView, TorchBackend, UpdateJob, apply_update, make_backend, triton_available
+from .backends import BACKEND_NAMES, StateView, UpdateJob, make_backend, triton_available
 from .rules import Rule
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -355,12 +354,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         job = self._job(p, w2d, group, state)
         if dtensor.is_dtensor(grad) and dtensor.is_dtensor(p) and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial norm-weight gradient
-        g2d = _as_2d(dtensor.local(grad).float().contiguous())
+        g2d = _as_2d(dtensor.local(grad).contiguous())  # cast to fp32 chunk by chunk by the backend
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
-        rows = w2d.shape[0]
-        for r0 in range(0, rows, self.block_rows):
-            r1 = min(rows, r0 + self.block_rows)
-            apply_update(job, g2d[r0:r1], r0, r1)
+        self._backend_for(p).update_from_grad(job, g2d)
         if not contiguous:
             w.copy_(w2d.view_as(w))
         if self.nonfinite_mode == "raise" and int(state["_nonfinite"]) - before:

@@ -57,3 +57,19 @@ class Backend:
     def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         """buffer (fp32 [Dout, Din]) += dy^T x, without allocating another weight-sized tensor."""
         raise NotImplementedError
+
+    def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
+        """Apply ``job.rule`` given an existing gradient (a parameter that is not fused: embeddings,
+        norms, tied weights, or an accumulation buffer flushed by ``opt.step()``)."""
+        raise NotImplementedError
+
+
+# Rows per chunk when a whole gradient is given: ~16M elements, so temporaries stay ~64 MiB each
+# and a 128256 x 4096 embedding takes 32 chunks, not 500 (launch-bound) or 1 (10 GiB of temporaries).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def row_chunks(rows: int, cols: int, chunk_elements: int = CHUNK_ELEMENTS):
+    step = max(1, chunk_elements // max(cols, 1))
+    for r0 in range(0, rows, step):
+        yield r0, min(rows, r0 + step)

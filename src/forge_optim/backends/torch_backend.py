@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import precision
-from .base import Backend, UpdateJob
+from .base import Backend, UpdateJob, row_chunks
 
 
 def _offsets(r0: int, r1: int, cols: int, device) -> torch.Tensor:
@@ -82,3 +82,8 @@ class TorchBackend(Backend):
         dy32, x32 = dy.float(), x.float()
         for r0, r1 in self._row_blocks(buffer.shape[0]):
             buffer[r0:r1].addmm_(dy32[:, r0:r1].t(), x32)
+
+    def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
+        rows, cols = job.weight.shape
+        for r0, r1 in row_chunks(rows, cols):
+            apply_update(job, grad[r0:r1].float(), r0, r1)

@@ -11,7 +11,7 @@ import torch
 from .._triton import interpreting
 from ..kernels import fused
 from ..kernels.launch import KernelConfig, Tuner, bt_regime, launch, state_kind
-from .base import Backend, UpdateJob
+from .base import Backend, StateView, UpdateJob, row_chunks
 from .torch_backend import TorchBackend
 
 _FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,6 +110,26 @@ class TritonBackend(Backend):
         cfg = self._config(job, dy, x, kwargs)
         launch(config=cfg, **kwargs)
 
+    def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
+        """One kernel launch per ~16M-element chunk: the gradient chunk (as fp32) enters as the
+        accumulation buffer of a BT=0 fused launch, so the rule runs in the same epilogue code."""
+        w = job.weight
+        rows, cols = w.shape
+        for i, (r0, r1) in enumerate(row_chunks(rows, cols)):
+            sub = UpdateJob(
+                weight=w[r0:r1], rule=job.rule, coeffs=job.coeffs,
+                states=[StateView(v.spec, v.data[r0:r1], None if v.scale is None else v.scale[r0:r1])
+                        for v in job.states],
+                grad_sign=job.grad_sign, grad_buffer=grad[r0:r1].float().contiguous(),
+                stochastic_weight=job.stochastic_weight, stochastic_state=job.stochastic_state,
+                # offsets restart in each chunk: give each chunk its own random stream
+                key_weight=_chunk_key(job.key_weight, i),
+                key_states=tuple(_chunk_key(k, i) for k in job.key_states), nonfinite=job.nonfinite)
+            dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            dy = w.new_empty((0, r1 - r0), dtype=dtype)
+            x = w.new_empty((0, cols), dtype=dtype)
+            self.update(sub, dy, x)
+
     def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy, x = _inputs(dy, x)
         ok = (buffer.dim() == 2 and buffer.is_contiguous() and buffer.dtype == torch.float32
@@ -147,6 +167,14 @@ class TritonBackend(Backend):
             return lambda: launch(config=cfg, **kw)
 
         return self.tuner.pick(key, dy.shape[0], run_on_clones)
+
+
+def _chunk_key(key: int, chunk: int) -> int:
+    if chunk == 0:
+        return key
+    from ..precision import _mix_host
+
+    return _mix_host(key ^ (chunk * 0x632BE5AB)) & 0x7FFFFFFF
 
 
 def _clone_view(view):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import jit
+from .._triton import jit, tl  # noqa: F401  (jitted functions need tl in their globals)
 from .base import StateSpec
 
 ADAM_STATES = (StateSpec("exp_avg", 0), StateSpec("exp_avg_sq", 1, nonnegative=True))
