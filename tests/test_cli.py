@@ -113,9 +113,11 @@ def test_bad_data_path_is_a_clear_error(tmp_path, capsys):
     assert "data file not found" in capsys.readouterr().err
 
 
-def test_bench_placeholder(capsys):
-    assert main(["bench"]) == 2
-    assert "not implemented yet (issue 5)" in capsys.readouterr().out
+def test_bench_subcommand_reaches_the_benchmark(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    assert "--methods" in capsys.readouterr().out
 
 
 def test_no_subcommand_is_a_usage_error():
