@@ -78,3 +78,12 @@ def test_fsdp2_is_refused(process_group):
     fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
     with pytest.raises(ValueError, match="FSDP"):
         forge_optim.AdamW(model)
+
+
+def test_composable_replicate_is_refused(process_group):
+    from torch.distributed._composable import replicate
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    replicate(model)
+    with pytest.raises(ValueError, match="replicate"):
+        forge_optim.AdamW(model)

@@ -131,3 +131,51 @@ def test_tp_optimizer_state_round_trips_through_dcp():
 def test_tp_int8_state_round_trips_through_dcp():
     for rank, _, resumed, _ in _run(2, "tensor", state_dtype="int8", checkpoint=True):
         assert resumed == 0.0, (rank, resumed)
+
+
+def _mixed_worker(rank, world, store_path, q):
+    try:
+        import sys
+
+        import forge_optim
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        sys.path.insert(0, EXAMPLES)
+        from tp_llama import TinyLlama, parallelize
+
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = parallelize(TinyLlama(), mesh["tp"], sequence_parallel=False)
+        probe = forge_optim.AdamW(model)  # TP alone: the TP dims are fused
+        n_fused = len(probe.fused_modules())
+        probe.unpatch()
+        fully_shard(model, mesh=mesh["dp"])  # add data parallelism on the other mesh dim
+        try:
+            forge_optim.AdamW(model)
+            q.put((rank, n_fused, "not refused"))
+        except ValueError as err:
+            q.put((rank, n_fused, str(err)))
+    except Exception:
+        import traceback
+
+        q.put((rank, -1, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_tp_by_dp_mesh_fuses_tp_and_refuses_dp():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_mixed_worker, args=(r, 4, os.path.join(tmp, "store"), q)) for r in range(4)]
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=300) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+    for rank, n_fused, msg in results:
+        assert n_fused == 15, (rank, n_fused, msg)
+        assert "FSDP" in msg or "fully_shard" in msg, (rank, msg)

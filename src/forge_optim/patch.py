@@ -68,9 +68,17 @@ def check_not_data_parallel(model: nn.Module) -> None:
         fsdp_types.append(FSDPModule)
     except ImportError:  # pragma: no cover
         pass
+    try:  # composable APIs (replicate = DDP, fully_shard = FSDP2) register themselves on the module
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # pragma: no cover
+        _get_registry = None
     for name, mod in model.named_modules():
         if fsdp_types and isinstance(mod, tuple(fsdp_types)):
             raise ValueError(f"module '{name or type(model).__name__}' is sharded by FSDP: {why}")
+        registry = _get_registry(mod) if _get_registry is not None else None
+        for api in ("replicate", "fully_shard"):
+            if registry and api in registry:
+                raise ValueError(f"module '{name or type(model).__name__}' uses torch.distributed's {api}(): {why}")
 
 
 def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dict]:
