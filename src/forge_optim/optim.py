@@ -301,31 +301,32 @@ class ForgeOptimizer(torch.optim.Optimizer):
         else:
             state[spec.name] = dtensor.like(p, value.float().reshape(lp.shape).contiguous())
 
-    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict) -> UpdateJob:
+    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict, idx: int) -> UpdateJob:
         state["step"] += 1
         step = int(state["step"].item())
         coeffs = self.rule.padded(self.rule.coefficients(group, state, step))
-        idx = self._index_of(p)
+        base_key = precision.step_key(self.seed, idx, step)
         views, keys = [], []
         for spec in self.rule.state_specs(group):
             data = dtensor.local(state[spec.name])
             scale = state.get(spec.name + "_scale") if data.dtype in (torch.int8, torch.uint8) else None
             views.append(StateView(spec, _as_2d(data), None if scale is None else dtensor.local(scale)))
-            keys.append(precision.stream_key(self.seed, idx, step, precision.SITE_STATE0 + spec.slot))
+            keys.append(precision.site_key(base_key, precision.SITE_STATE0 + spec.slot))
         return UpdateJob(
             weight=weight2d, rule=self.rule, coeffs=coeffs, states=views,
             grad_sign=-1.0 if group.get("maximize", False) else 1.0,
             stochastic_weight=self.stochastic_rounding, stochastic_state=self.stochastic_rounding,
-            key_weight=precision.stream_key(self.seed, idx, step, precision.SITE_WEIGHT),
+            key_weight=precision.site_key(base_key, precision.SITE_WEIGHT),
             key_states=tuple(keys), nonfinite=state["_nonfinite"])
 
     # ----- updates ------------------------------------------------------------------------------
     @torch.no_grad()
     def _fused_update(self, handle: FusedWeight, dy: torch.Tensor, x: torch.Tensor) -> None:
         p = handle.param
-        group = self._group_of(p)
+        gi, idx = self._locate(p)
+        group = self.param_groups[gi]
         state = self._init_state(p, group)
-        job = self._job(p, dtensor.local(p.detach()), group, state)
+        job = self._job(p, dtensor.local(p.detach()), group, state, idx)
         job.grad_buffer, handle.buffer = handle.buffer, None
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
         self._backend_for(p).update(job, dy, x)
@@ -351,7 +352,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         w = dtensor.local(p.detach())
         contiguous = w.is_contiguous()
         w2d = _as_2d(w if contiguous else w.contiguous())
-        job = self._job(p, w2d, group, state)
+        job = self._job(p, w2d, group, state, self._index_of(p))
         if dtensor.is_dtensor(grad) and dtensor.is_dtensor(p) and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial norm-weight gradient
         g2d = _as_2d(dtensor.local(grad).contiguous())  # cast to fp32 chunk by chunk by the backend

@@ -31,13 +31,21 @@ def _mix_host(x: int) -> int:
     return ((x >> 16) ^ x) & MASK32
 
 
-def stream_key(seed: int, param_index: int, step: int, site: int) -> int:
-    """Per (seed, parameter, step, store site) key, < 2**31 so Triton passes it as int32."""
+def step_key(seed: int, param_index: int, step: int) -> int:
+    """The (seed, parameter, step) part of a key; ``site_key`` derives one key per store site."""
     k = _mix_host(seed ^ 0x9E3779B9)
     k = _mix_host(k ^ (param_index * 0x01000193 + 0x7F4A7C15))
-    k = _mix_host(k ^ (step * 0x000343FD + 0x269EC3))
-    k = _mix_host(k ^ (site * 0x2545F491 + 0x6A09E667))
-    return k & 0x7FFFFFFF
+    return _mix_host(k ^ (step * 0x000343FD + 0x269EC3))
+
+
+def site_key(base: int, site: int) -> int:
+    """A store site's key, < 2**31 so Triton passes it as int32."""
+    return _mix_host(base ^ (site * 0x2545F491 + 0x6A09E667)) & 0x7FFFFFFF
+
+
+def stream_key(seed: int, param_index: int, step: int, site: int) -> int:
+    """Per (seed, parameter, step, store site) key, < 2**31 so Triton passes it as int32."""
+    return site_key(step_key(seed, param_index, step), site)
 
 
 def random16(offsets: torch.Tensor, key: int) -> torch.Tensor:
