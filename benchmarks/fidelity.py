@@ -366,12 +366,14 @@ def cmd_stochastic_rounding(args) -> dict:
     shape = parse_shapes(args.shape)[0]
     if args.backend == "triton" and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    triton_cfg = set_triton_config(args, EXACT_CONFIG)  # the dead-zone runs: correctness, not speed
     path = part_path(args.out_dir, "stochastic-rounding")
     ulp = bf16_ulp(args.w0)
     expected = -args.steps * args.step_frac * ulp
     res = dict(part="stochastic-rounding", meta=meta(args, device), shape=f"{shape[0]}x{shape[1]}",
                w0=args.w0, ulp=ulp, step=args.step_frac * ulp, step_in_ulp=args.step_frac, steps=args.steps,
-               lr=1.0, backend=args.backend, expected_mean_change=expected, runs={}, kernel_cost=None,
+               lr=1.0, backend=args.backend, triton_config=triton_cfg, expected_mean_change=expected, runs={},
+               kernel_cost=None,
                criterion="SR mean change within 2% of the fp32 reference; RNE mean change exactly 0",
                complete=False)
     t0 = time.time()
@@ -383,6 +385,7 @@ def cmd_stochastic_rounding(args) -> dict:
               f"ratio {r['ratio_to_expected']:.4f}), unchanged {r['frac_unchanged']:.1%}", flush=True)
         write_json(path, res)
     if device.type == "cuda" and not args.no_kernel_cost:
+        os.environ.pop("FORGE_TRITON_CONFIG", None)  # the cost part tunes the SR variant, then fixes that config
         if time.time() - t0 < args.time_budget:
             try:
                 res["kernel_cost"] = dict(measured=True, rule="AdamW", weight="bf16", states="bf16",
@@ -669,11 +672,27 @@ def run_one(spec: dict, corpus: dict | None = None) -> dict:
     return rec
 
 
+def run_one_safe(spec: dict, corpus: dict | None = None) -> dict:
+    """run_one, but an exception (an optimizer that will not build, a kernel that will not compile)
+    is recorded in the run's file instead of ending the part."""
+    try:
+        return run_one(spec, corpus)
+    except Exception as e:
+        import traceback
+        rec = load_json(spec["out_file"]) or dict(method=spec["method"], seed=spec["seed"], train=[], eval=[])
+        rec.update(complete=False, error=f"{type(e).__name__}: {e}"[:500],
+                   traceback=traceback.format_exc()[-2000:])
+        rec["final_eval"] = None
+        write_json(spec["out_file"], rec)
+        print(f"  {spec['method']} seed {spec['seed']}: FAILED {rec['error']}", flush=True)
+        return rec
+
+
 def run_specs(specs: list[dict], parallel: int, corpus: dict | None, on_done) -> None:
     """Run specs in order, ``parallel`` at a time (subprocesses) or in this process (parallel=1)."""
     if parallel <= 1:
         for s in specs:
-            on_done(run_one(s, corpus))
+            on_done(run_one_safe(s, corpus))
         return
     pending = list(specs)
     live: list[tuple[subprocess.Popen, dict]] = []
@@ -807,7 +826,7 @@ def cmd_convergence(args) -> dict:
 
 def cmd_worker(args) -> None:
     spec = json.loads(Path(args.spec).read_text())
-    run_one(spec)
+    run_one_safe(spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -836,7 +855,7 @@ def cmd_low_lr(args) -> dict:
                           "cosine", dims["lr"], args.pretrain_steps, min(dims["warmup"], args.pretrain_steps // 5),
                           save_ckpt_for=("fp32-master", seed))[0]
         spec["save_checkpoint"] = ckpt
-        r = run_one(spec, corpus)
+        r = run_one_safe(spec, corpus)
         res["pretrain"] = {k: r.get(k) for k in ("method", "seed", "steps_done", "final_eval", "complete", "tokens_per_s")}
         write_json(path, res)
         if not r.get("complete"):

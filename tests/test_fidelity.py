@@ -134,3 +134,21 @@ def test_low_lr_and_report(trained, tmp_path):
     fidelity.main(["report", "--results", str(merged), "--doc", str(doc), "--fig-dir", str(tmp_path / "docs")])
     text2 = doc.read_text()
     assert text2.startswith("# Title\n\nprose") and text2.count("<!-- BEGIN AUTO convergence -->") == 1
+
+
+def test_convergence_records_a_failing_method_and_goes_on(tmp_path, monkeypatch):
+    real = fidelity.build_optimizer
+
+    def broken(method, *a, **kw):
+        if method == "forge-int8":
+            raise RuntimeError("kernel did not compile")
+        return real(method, *a, **kw)
+
+    monkeypatch.setattr(fidelity, "build_optimizer", broken)
+    fidelity.main(["convergence", "--preset", "tiny", "--steps", "2", "--eval-every", "1", "--warmup", "1",
+                   "--methods", "forge-int8,fp32-master", "--extra-seeds", "", "--device", "cpu", "--no-checkpoint",
+                   "--out-dir", str(tmp_path), "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1"])
+    j = _load(tmp_path, "convergence")
+    runs = {r["method"]: r for r in j["runs"]}
+    assert "kernel did not compile" in runs["forge-int8"]["error"] and not runs["forge-int8"]["complete"]
+    assert runs["fp32-master"]["complete"] and not j["complete"]
