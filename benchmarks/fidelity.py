@@ -101,6 +101,7 @@ def meta(args, device: torch.device) -> dict:
         tv = None
     return dict(date=now_iso(), device=str(device), device_name=device_name(device), torch=torch.__version__,
                 triton=tv, python=platform.python_version(), commit=git_commit(),
+                script_sha256=hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
                 command=" ".join(["benchmarks/fidelity.py"] + list(getattr(args, "argv", []) or sys.argv[1:])),
                 time_budget_s=args.time_budget)
 
@@ -303,7 +304,7 @@ def dead_zone_run(method: str, shape, steps: int, w0: float, step_frac: float, b
                 frac_unchanged=(delta == 0).float().mean().item(), curve=curve)
 
 
-def sr_kernel_cost(device: torch.device, shapes, bts, rep: int = 50) -> list[dict]:  # pragma: no cover - CUDA
+def sr_kernel_cost(device: torch.device, shapes, bts, deadline: float, on_row, rep: int = 50) -> list[dict]:  # pragma: no cover - CUDA
     """Fused AdamW (bf16 W, bf16 m, v) with and without SR: one tuned config, fixed for all modes."""
     from triton.testing import do_bench
 
@@ -323,6 +324,9 @@ def sr_kernel_cost(device: torch.device, shapes, bts, rep: int = 50) -> list[dic
                            .bfloat16()) for sp in specs]
         nf = torch.zeros((), dtype=torch.int64, device=device)
         for BT in bts:
+            if time.time() > deadline:
+                rows.append(dict(shape=f"{M}x{N}", BT=BT, skipped="time budget"))
+                continue
             ins = [(torch.randn(BT, M, device=device, generator=gen).bfloat16(),
                     torch.randn(BT, N, device=device, generator=gen).bfloat16()) for _ in range(2)]
             ctr = [0]
@@ -353,6 +357,7 @@ def sr_kernel_cost(device: torch.device, shapes, bts, rep: int = 50) -> list[dic
             row["sr_weight_over_rne"] = row["sr_weight_ms"] / row["rne_ms"]
             row["sr_all_over_rne"] = row["sr_all_ms"] / row["rne_ms"]
             rows.append(row)
+            on_row(rows)
             print(f"SR cost {M}x{N} BT={BT}: RNE {row['rne_ms']:.3f} ms, SR(W) {row['sr_weight_ms']:.3f}, "
                   f"SR(W,m,v) {row['sr_all_ms']:.3f} ms ({row['sr_all_over_rne']:.3f}x) [{row['config']}]", flush=True)
             del ins
@@ -387,10 +392,12 @@ def cmd_stochastic_rounding(args) -> dict:
     if device.type == "cuda" and not args.no_kernel_cost:
         os.environ.pop("FORGE_TRITON_CONFIG", None)  # the cost part tunes the SR variant, then fixes that config
         if time.time() - t0 < args.time_budget:
+            def on_row(rows):
+                res["kernel_cost"] = dict(measured=True, rule="AdamW", weight="bf16", states="bf16", rows=rows)
+                write_json(path, res)
             try:
-                res["kernel_cost"] = dict(measured=True, rule="AdamW", weight="bf16", states="bf16",
-                                          rows=sr_kernel_cost(device, parse_shapes(args.cost_shapes),
-                                                              [int(b) for b in args.cost_bts.split(",")]))
+                on_row(sr_kernel_cost(device, parse_shapes(args.cost_shapes), [int(b) for b in args.cost_bts.split(",")],
+                                      t0 + args.time_budget, on_row))
             except Exception as e:  # pragma: no cover - CUDA
                 res["kernel_cost"] = dict(measured=False, reason=f"error: {e!r}"[:300])
         else:
@@ -815,6 +822,9 @@ def cmd_convergence(args) -> dict:
                   flush=True)
 
     parallel = args.parallel if args.parallel else (1 if device.type == "cpu" else min(8, len(specs)))
+    res["parallel"] = parallel
+    for s in specs:
+        s["threads"] = s["threads"] or (max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None)
     run_specs(specs, parallel, corpus if parallel <= 1 else None, on_done)
     res["summary"] = summarize_runs(res["runs"])
     res["complete"] = all(r.get("complete") or r.get("skipped") for r in res["runs"]) and len(res["runs"]) >= len(
@@ -883,6 +893,9 @@ def cmd_low_lr(args) -> dict:
               flush=True)
 
     parallel = args.parallel if args.parallel else (1 if device.type == "cpu" else len(specs))
+    res["parallel"] = parallel
+    for s in specs:
+        s["threads"] = s["threads"] or (max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None)
     run_specs(specs, parallel, corpus if parallel <= 1 else None, on_done)
     res["summary"] = low_lr_summary(res["runs"])
     res["complete"] = all(r.get("complete") or r.get("skipped") for r in res["runs"])
@@ -1005,6 +1018,9 @@ def md_sr(src: dict, fig_dir: Path, doc_dir: Path) -> str:
                       "do_bench median, ms):", "",
                   "| shape | BT | RNE | SR on W | SR on W, m, v | SR(all)/RNE |", "|---|---|---|---|---|---|"]
         for r in kc["rows"]:
+            if r.get("skipped"):
+                lines.append(f"| {r['shape']} | {r['BT']} | not run ({r['skipped']}) | | | |")
+                continue
             lines.append(f"| {r['shape']} | {r['BT']} | {r['rne_ms']:.3f} | {r['sr_weight_ms']:.3f} | "
                          f"{r['sr_all_ms']:.3f} | {r['sr_all_over_rne']:.3f} |")
     else:
@@ -1109,7 +1125,9 @@ def md_convergence(src: dict, fig_dir: Path, doc_dir: Path) -> str:
              f"warm-up {d['warmup']} + cosine to 0.1x, betas (0.9, 0.95), wd 0.1 (matrices). Corpus: Python "
              f"{c['python']} stdlib, {c['n_files']} .py files ({c['n_val_files']} held out by path hash, "
              f"{c['val_bytes']:,} bytes), file list sha256 {c['file_list_sha256']}. Held-out loss: "
-             f"{d['eval_batches']} fixed windows of the held-out files.", "",
+             f"{d['eval_batches']} fixed windows of the held-out files."
+             + (f" tokens/s: each run's own rate while {p['parallel']} runs shared the device."
+                if (p.get("parallel") or 1) > 1 else ""), "",
              "| method | final held-out, seed 0 | − fp32-master (seed 0) | mean ± std over seeds (n) | "
              "tokens/s | status |", "|---|---|---|---|---|---|"]
     summ = summarize_runs(p["runs"])

@@ -152,3 +152,15 @@ def test_convergence_records_a_failing_method_and_goes_on(tmp_path, monkeypatch)
     runs = {r["method"]: r for r in j["runs"]}
     assert "kernel did not compile" in runs["forge-int8"]["error"] and not runs["forge-int8"]["complete"]
     assert runs["fp32-master"]["complete"] and not j["complete"]
+
+
+def test_convergence_parallel_workers(tmp_path):
+    """The device path: runs as subprocess workers, merged into one part file."""
+    fidelity.main(["convergence", "--preset", "tiny", "--steps", "3", "--eval-every", "3", "--warmup", "1",
+                   "--methods", "fp32-master,forge-bf16-rne", "--extra-seeds", "", "--device", "cpu", "--parallel", "2",
+                   "--threads", "1", "--no-checkpoint", "--out-dir", str(tmp_path), "--batch-size", "2",
+                   "--seq-len", "16", "--eval-batches", "1"])
+    j = _load(tmp_path, "convergence")
+    assert j["complete"] and j["parallel"] == 2
+    assert sorted(r["method"] for r in j["runs"]) == ["forge-bf16-rne", "fp32-master"]
+    assert all(r["steps_done"] == 3 and len(r["eval"]) == 2 for r in j["runs"])
