@@ -936,8 +936,9 @@ def merge_part(a: dict, b: dict) -> dict:
         key = lambda u: (u.get("rule"), u.get("shape"))  # noqa: E731
         bu = {key(u) for u in b.get("units", [])}
         out["units"] = [u for u in a["units"] if key(u) not in bu] + b.get("units", [])
-        out["skipped"] = [s for s in b.get("skipped", []) if (s["rule"], s["shape"]) not in
-                          {key(u) for u in out["units"] if u.get("complete")}]
+        finished = {key(u) for u in out["units"] if u.get("complete")}
+        out["skipped"] = list({(s["rule"], s["shape"]): s for s in a.get("skipped", []) + b.get("skipped", [])
+                               if (s["rule"], s["shape"]) not in finished}.values())
         out["complete"] = not out["skipped"] and all(u.get("complete") for u in out["units"])
     if "runs" in a and isinstance(a["runs"], list):
         key = lambda r: (r.get("method"), r.get("seed"))  # noqa: E731

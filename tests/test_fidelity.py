@@ -164,3 +164,20 @@ def test_convergence_parallel_workers(tmp_path):
     assert j["complete"] and j["parallel"] == 2
     assert sorted(r["method"] for r in j["runs"]) == ["forge-bf16-rne", "fp32-master"]
     assert all(r["steps_done"] == 3 and len(r["eval"]) == 2 for r in j["runs"])
+
+
+def test_merge_parts_of_two_device_calls():
+    a = dict(part="convergence", meta={"command": "a"}, methods=["fp32-master", "forge-bf16-sr"],
+             runs=[dict(method="fp32-master", seed=0, complete=True), dict(method="forge-bf16-sr", seed=0, complete=False)])
+    b = dict(part="convergence", meta={"command": "b"}, methods=["forge-bf16-sr", "forge-int8"],
+             runs=[dict(method="forge-bf16-sr", seed=0, complete=True), dict(method="forge-int8", seed=0, complete=True)])
+    m = fidelity.merge_part(a, b)
+    assert m["methods"] == ["fp32-master", "forge-bf16-sr", "forge-int8"]
+    assert sorted((r["method"], r["complete"]) for r in m["runs"]) == [
+        ("forge-bf16-sr", True), ("forge-int8", True), ("fp32-master", True)]
+    ea = dict(units=[dict(rule="AdamW", shape="8x8", complete=True)], skipped=[dict(rule="SGD", shape="8x8")])
+    eb = dict(units=[dict(rule="SGD", shape="8x8", complete=True)], skipped=[])
+    e = fidelity.merge_part(ea, eb)
+    assert e["complete"] and len(e["units"]) == 2 and e["skipped"] == []
+    e2 = fidelity.merge_part(dict(units=[], skipped=[dict(rule="Lion", shape="8x8")]), eb)
+    assert not e2["complete"] and e2["skipped"] == [dict(rule="Lion", shape="8x8")]
