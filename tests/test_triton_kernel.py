@@ -337,6 +337,41 @@ if INTERP:
         TorchBackend().update_from_grad(ref, grad)
         compare(job, ref, mode, "from-grad")
 
+    @pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
+    def test_tuning_launch_uses_bounded_clones(mode):
+        """The tuner's launches run on clones of the first rows only and never touch live tensors;
+        on those rows they compute what the real launch computes."""
+        from forge_optim.backends.triton_backend import tuning_launch
+        from forge_optim.kernels import fused
+
+        job = make_job("AdamW", mode, M0, N0)
+        live = copy.deepcopy(job)
+        dy, x = exact_inputs(BT0, M0, N0)
+        slots = [None, None, None]
+        for v in job.states:
+            slots[v.spec.slot] = v
+        keys = [0, 0, 0]
+        for v, k in zip(job.states, job.key_states):
+            keys[v.spec.slot] = k
+        kwargs = dict(weight=job.weight, dy=dy.contiguous(), x=x.contiguous(), rule_update=job.rule.triton_update,
+                      coeffs=tuple(job.coeffs), states=tuple(slots), grad_sign=1.0, grad_buffer=None,
+                      nonfinite=job.nonfinite, stochastic_weight=job.stochastic_weight,
+                      stochastic_state=job.stochastic_state, key_weight=job.key_weight, key_states=tuple(keys),
+                      mode=fused.MODE_UPDATE)
+        from forge_optim.kernels.launch import INTERPRET_CONFIG
+
+        tuning_launch(kwargs, INTERPRET_CONFIG, max_rows=32)()
+        torch.testing.assert_close(job.weight, live.weight, rtol=0, atol=0)  # live weight untouched
+        TritonBackend().update(job, dy, x)  # the real launch, all rows
+        ref = copy.deepcopy(live)
+        ref.weight = ref.weight[:32].clone()
+        for v in ref.states:
+            v.data = v.data[:32].clone()
+            if v.scale is not None:
+                v.scale = v.scale[:32].clone()
+        TritonBackend().update(ref, dy[:, :32], x)
+        torch.testing.assert_close(job.weight[:32], ref.weight, rtol=0, atol=0)
+
     def test_fallback_noncontiguous_weight():
         job = make_job("AdamW", "fp32", N0, M0)
         job.weight = job.weight.t()  # [M0, N0] view, not contiguous
