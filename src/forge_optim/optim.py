@@ -43,8 +43,6 @@ class FusedWeight:
         self.pending_rec = 0  # uses first seen inside backward (reentrant checkpoint recompute)
         self.pending_traced = 0  # uses by the compiled form (no Use object: reset by opt.step())
         self.buffer: torch.Tensor | None = None  # fp32 gradient summed over uses / micro-steps
-        self.nonfinite: torch.Tensor | None = None
-        self._raised_at = 0
         self.attached = True
         self.id = register_handle(self)  # how the compiled form's custom ops find this handle
 
