@@ -372,6 +372,25 @@ if INTERP:
         TritonBackend().update(ref, dy[:, :32], x)
         torch.testing.assert_close(job.weight[:32], ref.weight, rtol=0, atol=0)
 
+    def test_optimizer_with_triton_backend_on_cpu_tensors():
+        """backend='triton' is accepted without CUDA under TRITON_INTERPRET=1 and matches torch.optim."""
+        import forge_optim
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.Tanh(), torch.nn.Linear(40, 24, bias=False))
+        ref_model = copy.deepcopy(model)
+        opt = forge_optim.AdamW(model, lr=1e-2, backend="triton")
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+        assert opt._backend_for(model[0].weight).name == "triton"
+        for _ in range(3):
+            x = torch.randn(5, 48)
+            for m, o in ((model, opt), (ref_model, ref)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            assert ((p - q).abs().max() / q.abs().max()).item() <= 1e-5
+
     def test_fallback_noncontiguous_weight():
         job = make_job("AdamW", "fp32", N0, M0)
         job.weight = job.weight.t()  # [M0, N0] view, not contiguous
