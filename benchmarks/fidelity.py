@@ -564,15 +564,12 @@ def build_optimizer(method: str, model, lr: float, betas, wd: float, device, bac
 
 
 def lr_multiplier(schedule: str, warmup: int, total: int, min_ratio: float = 0.1):
+    """Warm-up + cosine, the same schedule as `forge-optim train`; or constant."""
     if schedule == "constant":
         return lambda s: 1.0
+    from forge_optim.cli.train import lr_lambda
 
-    def f(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / (warmup + 1)
-        progress = min(1.0, (s - warmup) / max(1, total - warmup))
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return f
+    return lr_lambda(warmup, total, min_ratio)
 
 
 def get_batch(data: torch.Tensor, bs: int, seq: int, gen: torch.Generator, device):

@@ -341,24 +341,13 @@ if INTERP:
     def test_tuning_launch_uses_bounded_clones(mode):
         """The tuner's launches run on clones of the first rows only and never touch live tensors;
         on those rows they compute what the real launch computes."""
-        from forge_optim.backends.triton_backend import tuning_launch
-        from forge_optim.kernels import fused
+        from forge_optim.backends.triton_backend import launch_kwargs, tuning_launch
+        from forge_optim.kernels.launch import INTERPRET_CONFIG
 
         job = make_job("AdamW", mode, M0, N0)
         live = copy.deepcopy(job)
         dy, x = exact_inputs(BT0, M0, N0)
-        slots = [None, None, None]
-        for v in job.states:
-            slots[v.spec.slot] = v
-        keys = [0, 0, 0]
-        for v, k in zip(job.states, job.key_states):
-            keys[v.spec.slot] = k
-        kwargs = dict(weight=job.weight, dy=dy.contiguous(), x=x.contiguous(), rule_update=job.rule.triton_update,
-                      coeffs=tuple(job.coeffs), states=tuple(slots), grad_sign=1.0, grad_buffer=None,
-                      nonfinite=job.nonfinite, stochastic_weight=job.stochastic_weight,
-                      stochastic_state=job.stochastic_state, key_weight=job.key_weight, key_states=tuple(keys),
-                      mode=fused.MODE_UPDATE)
-        from forge_optim.kernels.launch import INTERPRET_CONFIG
+        kwargs = launch_kwargs(job, dy.contiguous(), x.contiguous())
 
         tuning_launch(kwargs, INTERPRET_CONFIG, max_rows=32)()
         torch.testing.assert_close(job.weight, live.weight, rtol=0, atol=0)  # live weight untouched

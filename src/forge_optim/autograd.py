@@ -35,21 +35,23 @@ class Use:
             self.handle.release(self.kind)
 
 
+def autocast_operands(x, weight, bias):
+    """Cast as autocast would cast F.linear's operands, so that the cast copies (from which the
+    gradient tile is formed, and dX with the old W) are what backward sees."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return x, weight, bias
+    dt = torch.get_autocast_dtype(dev)
+    return x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
+
+
 class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, handle, use):
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        dev = x.device.type
-        if torch.is_autocast_enabled(dev):
-            # Cast as autocast would, and keep the cast copies for backward (dX uses the old W).
-            dt = torch.get_autocast_dtype(dev)
-            x, w = x.to(dt), weight.to(dt)
-            bias = None if bias is None else bias.to(dt)
-            with torch.autocast(dev, enabled=False):
-                out = F.linear(x, w, bias)
-        else:
-            w = weight
+        x, w, bias = autocast_operands(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
             out = F.linear(x, w, bias)
         ctx.save_for_backward(x, w)
         ctx.handle, ctx.use = handle, use
@@ -144,9 +146,5 @@ fused_linear_op.register_autograd(_backward, setup_context=_setup_context)
 def fused_linear_traceable(x, weight, bias, weight_alias, handle_id: int):
     """The form torch.compile traces: autocast casts happen here, outside the op, so the op saves
     the operands its gradient is made of."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
-        x, weight = x.to(dt), weight.to(dt)
-        bias = None if bias is None else bias.to(dt)
+    x, weight, bias = autocast_operands(x, weight, bias)
     return torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)

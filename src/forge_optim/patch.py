@@ -109,8 +109,8 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
                           "it is stepped by opt.step() after its gradient is complete")
         elif mod.weight.dim() != 2 or mod.weight.is_sparse:
             skip[name] = "weight is not a dense 2-D tensor"
-        elif dtensor.unfusable_reason(mod.weight) is not None:
-            skip[name] = dtensor.unfusable_reason(mod.weight)
+        elif (why := dtensor.unfusable_reason(mod.weight)) is not None:
+            skip[name] = why
         else:
             fuse[name] = mod
     return fuse, skip

@@ -90,23 +90,7 @@ class TritonBackend(Backend):
             self.fallbacks += 1
             self.fallback.update(job, dy, x)
             return
-        slots = [None, None, None]
-        for view in job.states:
-            slots[view.spec.slot] = view
-        keys = [0, 0, 0]
-        for view, key in zip(job.states, job.key_states):
-            keys[view.spec.slot] = key
-        nf = job.nonfinite
-        if nf is not None and nf.dim() != 0:
-            nf = nf.view(())
-        if nf is not None and not nf.is_contiguous():
-            nf = None  # pragma: no cover - scalars are contiguous
-        kwargs = dict(weight=job.weight, dy=dy, x=x, rule_update=job.rule.triton_update,
-                      coeffs=tuple(job.coeffs), states=tuple(slots), grad_sign=job.grad_sign,
-                      grad_buffer=job.grad_buffer, nonfinite=nf,
-                      stochastic_weight=job.stochastic_weight and job.weight.dtype == torch.bfloat16,
-                      stochastic_state=job.stochastic_state, key_weight=job.key_weight,
-                      key_states=tuple(keys), mode=fused.MODE_UPDATE)
+        kwargs = launch_kwargs(job, dy, x)
         cfg = self._config(job, dy, x, kwargs)
         launch(config=cfg, **kwargs)
 
@@ -165,6 +149,26 @@ def _chunk_key(key: int, chunk: int) -> int:
     from ..precision import _mix_host
 
     return _mix_host(key ^ (chunk * 0x632BE5AB)) & 0x7FFFFFFF
+
+
+def launch_kwargs(job: UpdateJob, dy: torch.Tensor, x: torch.Tensor) -> dict:
+    """The fused kernel's arguments for ``job``: states and their keys moved to their kernel slots."""
+    slots = [None, None, None]
+    keys = [0, 0, 0]
+    for view, key in zip(job.states, job.key_states):
+        slots[view.spec.slot] = view
+        keys[view.spec.slot] = key
+    nf = job.nonfinite
+    if nf is not None and nf.dim() != 0:
+        nf = nf.view(())
+    if nf is not None and not nf.is_contiguous():
+        nf = None  # pragma: no cover - scalars are contiguous
+    return dict(weight=job.weight, dy=dy, x=x, rule_update=job.rule.triton_update,
+                coeffs=tuple(job.coeffs), states=tuple(slots), grad_sign=job.grad_sign,
+                grad_buffer=job.grad_buffer, nonfinite=nf,
+                stochastic_weight=job.stochastic_weight and job.weight.dtype == torch.bfloat16,
+                stochastic_state=job.stochastic_state, key_weight=job.key_weight,
+                key_states=tuple(keys), mode=fused.MODE_UPDATE)
 
 
 # Configs are timed on clones of at most this many rows of W and its states: enough tiles for

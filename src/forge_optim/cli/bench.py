@@ -39,7 +39,6 @@ import datetime as _dt
 import importlib.metadata as _md
 import importlib.util
 import json
-import math
 import os
 import platform
 import shlex
@@ -771,15 +770,19 @@ def _worker(ns, m: str, r: dict, save) -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    r["phase"] = "warmup"
-    warm = []
-    for _ in range(ns.warmup):
+    def timed_step():
         ids = batch()
         sync()
         t = time.perf_counter()
         loss = step(ids)
         sync()
-        warm.append(round((time.perf_counter() - t) * 1e3, 2))
+        return (time.perf_counter() - t) * 1e3, loss
+
+    r["phase"] = "warmup"
+    warm = []
+    for _ in range(ns.warmup):
+        ms, _loss = timed_step()
+        warm.append(round(ms, 2))
     r["warmup_ms"] = warm
     if cuda:
         r["mem_after_warmup_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
@@ -788,12 +791,8 @@ def _worker(ns, m: str, r: dict, save) -> None:
     r["phase"] = "measure"
     times, losses = [], []
     for _ in range(ns.steps):
-        ids = batch()
-        sync()
-        t = time.perf_counter()
-        loss = step(ids)
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
+        ms, loss = timed_step()
+        times.append(ms)
         losses.append(loss.detach())
     med = statistics.median(times)
     qs = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [med, med, med]
