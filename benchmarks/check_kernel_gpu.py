@@ -1,4 +1,5 @@
-"""GPU correctness run of the fused kernel (the @pytest.mark.gpu tests of tests/test_triton_kernel.py).
+"""GPU correctness run: the @pytest.mark.gpu tests of tests/test_triton_kernel.py (the fused kernel)
+and tests/test_gpu_end_to_end.py (the optimizer, eager and compiled, against torch.optim).
 
     PYTHONPATH=src python benchmarks/check_kernel_gpu.py
 
@@ -18,6 +19,7 @@ import sys
 import time
 import traceback
 import types
+from dataclasses import replace
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -48,6 +50,13 @@ def test_specs():
     specs += [dict(config=GPU_TEST_CONFIG, kinds=FP32_STATES, w_dtype="float32", sr_w=False, sr_s=False),
               dict(config=GPU_TEST_CONFIG, mode=fused.MODE_ACCUMULATE, in_dtype="float32"),
               dict(config=GPU_TEST_CONFIG, mode=fused.MODE_ACCUMULATE, in_dtype="bfloat16")]
+    # tests/test_gpu_end_to_end.py (GPU_TEST_CONFIG forced): fp32 Llama (ieee dot), bf16 Llama with bf16
+    # and int8 states; each also steps its unfused parameters by BT=0 launches (no TMA, fp32 buffer)
+    no_tma = replace(GPU_TEST_CONFIG, use_tma=False)
+    for kinds, w, sr in ((FP32_STATES, "float32", False), (BF16_STATES, "bfloat16", True),
+                         (INT8_STATES, "bfloat16", True)):
+        for cfg, buf in ((GPU_TEST_CONFIG, False), (no_tma, True)):
+            specs.append(dict(config=cfg, kinds=kinds, w_dtype=w, in_dtype=w, sr_w=sr, sr_s=sr, grad_buffer=buf))
     return specs
 
 
@@ -135,7 +144,8 @@ def main():
 
         env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
-                                 "--durations=0", str(REPO / "tests" / "test_triton_kernel.py")], cwd=str(REPO),
+                                 "--durations=0", str(REPO / "tests" / "test_triton_kernel.py"),
+                                 str(REPO / "tests" / "test_gpu_end_to_end.py")], cwd=str(REPO),
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:  # streamed, so a run cut short still leaves its log
             log(line.rstrip())

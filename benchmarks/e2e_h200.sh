@@ -8,9 +8,10 @@ set -u
 OUTD=${1:-${OUT:-/tmp/e2e}}
 MODEL=${BENCH_MODEL:-Llama-3.1-8B}
 DEV=${BENCH_DEVICE:-cuda}
-EAGER_BUDGET=${EAGER_BUDGET:-285}
-TOTAL_BUDGET=${TOTAL_BUDGET:-515}
-COMPILE_LAYERS=${COMPILE_LAYERS:-16}
+EAGER_BUDGET=${EAGER_BUDGET:-300}
+TOTAL_BUDGET=${TOTAL_BUDGET:-520}
+COMPILE_LAYERS=${COMPILE_LAYERS:-8}
+METHODS=${BENCH_METHODS:-none,forge-bf16,torch-fused-adamw,forge-int8,flashoptim-release,optimi-release,bnb-adamw8bit,torchao-adamw8bit,flashoptim}
 START=$SECONDS
 mkdir -p "$OUTD"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -21,11 +22,10 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,temperature.gpu --format=csv 2>/dev/null
 echo "setup $((SECONDS-START)) s"
 python3 -m forge_optim.cli.bench --device $DEV --model $MODEL --batch-size 1 --seq-len 512 \
-  --methods none,forge-bf16,torch-fused-adamw,forge-int8,flashoptim-release,flashoptim,optimi-release,bnb-adamw8bit,torchao-adamw8bit \
-  --out-dir "$OUTD/eager" --time-budget $EAGER_BUDGET --method-timeout 120
+  --methods $METHODS --out-dir "$OUTD/eager" --time-budget $EAGER_BUDGET --method-timeout 100
 REM=$((TOTAL_BUDGET - (SECONDS - START)))
 echo "eager phase done at $((SECONDS-START)) s; compile phase budget $REM s"
 python3 -m forge_optim.cli.bench --device $DEV --model $MODEL --layers $COMPILE_LAYERS --batch-size 1 --seq-len 512 \
-  --compile --methods torch-fused-adamw,forge-bf16,none \
+  --compile --methods none,torch-fused-adamw,forge-bf16 \
   --out-dir "$OUTD/compile" --time-budget $REM --method-timeout $REM
 echo "all done at $((SECONDS-START)) s"

@@ -12,10 +12,20 @@ pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
 
-def llama(hidden=256, layers=2, vocab=512, dtype=torch.float32):
+@pytest.fixture(autouse=True)
+def fixed_kernel_config(monkeypatch):
+    """These tests check numerics and memory, not speed: one kernel config for every launch (the
+    autotuner's own correctness is test_triton_kernel.py::test_gpu_tuned_matches_fixed), so the
+    device run compiles one variant per state layout instead of one per candidate."""
+    from forge_optim.kernels.launch import GPU_TEST_CONFIG
+
+    monkeypatch.setenv("FORGE_TRITON_CONFIG", GPU_TEST_CONFIG.env())
+
+
+def llama(hidden=256, layers=2, vocab=512, dtype=torch.float32, attn="sdpa"):
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=128, attn_implementation="sdpa")
+                                   max_position_embeddings=128, attn_implementation=attn)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to("cuda", dtype)
 
@@ -32,19 +42,74 @@ def train(model, opt, batches):
         opt.zero_grad()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_triton_backend_fp32_matches_torch_adamw(compiled):
+def kernel_gradients(model):
+    """Make ``model``'s nn.Linear weight gradients the fused kernel's own (its accumulate mode with
+    the same config sums the same tiles in the same order as the update mode), so that a
+    torch.optim reference sees exactly the gradient FORGE applied and only the optimizer
+    arithmetic is compared. Returns a function that overwrites .grad after backward."""
+    from forge_optim.backends.triton_backend import TritonBackend
+
+    be = TritonBackend()
+    seen = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.register_forward_hook(lambda m, i, o: seen.setdefault(m, {}).update(x=i[0].detach()))
+            mod.register_full_backward_hook(lambda m, gi, go: seen[m].update(dy=go[0].detach()))
+
+    def overwrite():
+        for mod, t in seen.items():
+            g = torch.zeros_like(mod.weight, dtype=torch.float32)
+            be.accumulate(g, t["dy"].reshape(-1, g.shape[0]), t["x"].reshape(-1, g.shape[1]))
+            mod.weight.grad = g.to(mod.weight.dtype)
+        seen.clear()
+
+    return overwrite
+
+
+def test_eager_fp32_equals_torch_adamw_given_the_same_gradient():
+    """5 steps of a Llama with the Triton backend against torch.optim.AdamW (single-tensor) whose
+    linear-layer gradients are the kernel's own: weights equal to fp32 round-off. (Eager attention,
+    so both models run bit-identical forward/backward ops at step 1.)"""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = llama()
+    model = llama(attn="eager")
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-3, weight_decay=0.01)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     assert opt._backend_for(model.lm_head.weight).name == "triton"
-    m, r = (torch.compile(model), torch.compile(ref_model)) if compiled else (model, ref_model)
+    overwrite = kernel_gradients(ref_model)
+    for ids in data(5):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_model(input_ids=ids, labels=ids).loss.backward()
+        overwrite()
+        ref.step()
+        ref.zero_grad()
+    d = rel_diff(model, ref_model)
+    print(f"eager forge vs torch.optim on the kernel's gradient, 5 steps: max rel {d:.2e}")
+    assert d <= 1e-5
+
+
+def test_compiled_fp32_within_compile_noise_of_torch_adamw():
+    """torch.compile'd FORGE (custom ops, Triton backend) against compiled torch.optim.AdamW on
+    cuBLAS gradients, 5 steps, fp32. Their gradients differ in summation order (Triton tile vs
+    cuBLAS), and Adam turns near-zero gradients' round-off into visible steps, so "fp32 round-off"
+    is calibrated in the same run: the FORGE-vs-torch gap must not exceed twice the gap that
+    compiling alone opens between eager and compiled torch.optim (plus 1e-5)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = llama()
+    models = {k: copy.deepcopy(base) for k in ("forge_c", "ref_c", "ref_e")}
+    opts = {"forge_c": forge_optim.AdamW(models["forge_c"], lr=1e-3, weight_decay=0.01)}
+    for k in ("ref_c", "ref_e"):
+        opts[k] = torch.optim.AdamW(models[k].parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     batches = data(5)
-    train(m, opt, batches)
-    train(r, ref, batches)
-    assert rel_diff(model, ref_model) <= 1e-5
+    for k, m in models.items():
+        train(torch.compile(m) if k.endswith("_c") else m, opts[k], batches)
+    gap = rel_diff(models["forge_c"], models["ref_c"])
+    noise = rel_diff(models["ref_e"], models["ref_c"])
+    print(f"compiled forge vs compiled torch.optim: {gap:.2e}; eager vs compiled torch.optim: {noise:.2e}")
+    assert all(torch.isfinite(p).all() for p in models["forge_c"].parameters())
+    assert gap <= 2 * noise + 1e-5, (gap, noise)
 
 
 def test_bf16_model_bf16_and_int8_state_train():

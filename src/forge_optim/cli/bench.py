@@ -285,6 +285,14 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
           f"{ns.warmup}+{ns.steps} steps, device {ns.device}{', compiled' if ns.compile else ''}"
           f"{', activation checkpointing' if ns.activation_checkpointing else ''} -> {out}", flush=True)
     save()
+    if ns.device == "cuda" and any(m.startswith("forge-") for m in methods):
+        t0 = time.time()
+        failed = precompile_forge_kernels([m for m in methods if m.startswith("forge-")],
+                                          ns.batch_size * ns.seq_len)
+        results["precompile_s"] = round(time.time() - t0, 1)
+        results["notes"] += [f"precompile: {line}" for line in failed]
+        print(f"precompiled the forge kernel variants in {results['precompile_s']} s"
+              f"{f' ({len(failed)} failed)' if failed else ''}", flush=True)
     for m in methods:
         r: dict
         if m in PEERS and not _peer_installed(m):
@@ -318,6 +326,23 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     print(f"\nwrote {res_path}")
     ok = [r for r in results["methods"].values() if r["status"] in ("ok", "OOM") or r["status"].startswith("skipped")]
     return 0 if len(ok) == len(results["methods"]) else 1
+
+
+def precompile_forge_kernels(forge_methods: list[str], tokens: int) -> list[str]:
+    """Compile, side by side in worker processes, every kernel variant the autotuner of these forge
+    methods will try (the fused linears at ``tokens`` rows, and the BT=0 step of the unfused
+    parameters), so the methods' first steps read Triton's disk cache instead of compiling one
+    variant after another. Returns the lines of the variants that failed to compile."""
+    from ..kernels import fused
+    from ..kernels.launch import candidate_configs, precompile
+
+    kinds = {"forge-bf16": (fused.S_BF16, fused.S_BF16, 0), "forge-int8": (fused.S_INT8, fused.S_UINT8, 0),
+             "forge-fp32": (fused.S_FP32, fused.S_FP32, 0)}
+    specs = []
+    for m in forge_methods:
+        specs += [dict(config=c, kinds=kinds[m]) for c in candidate_configs(tokens)]
+        specs += [dict(config=c, kinds=kinds[m], grad_buffer=True) for c in candidate_configs(0)]
+    return [line for line in precompile(specs) if line.startswith("FAILED")]
 
 
 def _run_method(ns, m: str, out: Path, timeline: bool, t_start: float) -> dict:

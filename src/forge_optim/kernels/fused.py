@@ -200,6 +200,23 @@ def _epilogue(acc, row0, col0,
 
 
 @jit
+def _prefetch_l2(ptr, row0, col0, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Ask L2 for the [BM, BN] tile at (row0, col0) of the row-major [M, N] tensor at ``ptr``:
+    one ``prefetch.global.L2`` per 128-byte line, no registers held. Issued before a tile's mainloop
+    so that its epilogue's W/state loads hit L2 instead of waiting on DRAM (NOTES.md, kernel v4).
+    Rows and columns past the edge are clamped to the last valid element (a prefetch must not name
+    an address outside the tensor)."""
+    ES: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    PER: tl.constexpr = 128 // ES
+    LINES: tl.constexpr = (BN + PER - 1) // PER
+    rows = tl.minimum(row0 + tl.arange(0, BM), M - 1)
+    cols = tl.minimum(col0 + tl.arange(0, LINES) * PER, N - 1)
+    p = ptr + (rows[:, None].to(tl.int64) * N + cols[None, :])
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
     """[BM, BN] -> rows [0, BM/2) and [BM/2, BM)."""
     t = tl.permute(tl.reshape(acc, (2, BM // 2, BN)), (1, 2, 0))
@@ -249,7 +266,7 @@ def forge_fused_kernel(
         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
         DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr):
+        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, PREFETCH: tl.constexpr):
     """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -268,6 +285,17 @@ def forge_fused_kernel(
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
         offs_m = pid_m * BM + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
+        if PREFETCH:  # the tile's epilogue operands start their trip to L2 during the mainloop
+            if MODE == 1 or HAS_BUF:
+                _prefetch_l2(buf_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
+            if MODE == 0:
+                _prefetch_l2(w_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
+                if S0 != 0:
+                    _prefetch_l2(s0_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
+                if S1 != 0:
+                    _prefetch_l2(s1_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
+                if S2 != 0:
+                    _prefetch_l2(s2_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kt in range(0, k_tiles):
             k0 = kt * BK

@@ -9,6 +9,7 @@ rule, state layout) and can be read back (``Tuner.winners``) for benchmark repor
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -16,7 +17,9 @@ import torch
 from .._triton import interpreting, triton
 from . import fused
 
-_ALLOCATOR_SET = False
+# Triton keeps its allocator in a ContextVar, i.e. per thread: backward runs on autograd's device
+# threads, so the allocator for TMA descriptors is set once in every thread that launches.
+_ALLOCATOR_SET = threading.local()
 # TRITON_INTERPRET is read once, like triton.jit itself does when the kernels are decorated.
 _INTERPRET = interpreting()
 
@@ -34,6 +37,7 @@ class KernelConfig:
     use_tma: bool = True  # only taken where Hopper TMA is available and the strides allow it
     flatten: bool = False  # one flattened tile x K loop: the next tile's loads overlap this epilogue
     maxnreg: int = 0  # >0: register cap per thread (more resident programs per SM, maybe spills)
+    prefetch: bool = False  # L2-prefetch each tile's W/states before its mainloop (GPU only)
 
     def __post_init__(self):
         if self.BN % 64 != 0:
@@ -41,9 +45,13 @@ class KernelConfig:
         if self.epi_split not in (1, 2, 4, 8) or self.BM % (self.epi_split * 8) != 0:
             raise ValueError(f"epi_split={self.epi_split} must be 1, 2, 4 or 8 and leave >= 8 rows per slice")
 
+    def env(self) -> str:
+        """This config as a ``FORGE_TRITON_CONFIG`` value (every launch then uses it, no tuning)."""
+        return ",".join(f"{k}={int(v)}" for k, v in asdict(self).items())
+
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
-                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}")
+                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -61,6 +69,10 @@ SMALL_BT_CONFIGS = (
     KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168),  # 3 programs/SM (v2 winner)
     KernelConfig(128, 256, 64, 16, 3, 8, 1, 8),  # half the L2 re-reads of dY/X of a 64x128 tile
     KernelConfig(256, 128, 64, 16, 3, 8, 1, 8),
+    # v4: the same schedules with the tile's W/states prefetched into L2 before the mainloop
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True),
+    KernelConfig(64, 128, 64, 4, 4, 8, 2, 4, prefetch=True),
+    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, prefetch=True),
 )
 LARGE_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4),  # v1 winner at BT >= 2048
@@ -69,22 +81,36 @@ LARGE_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, flatten=True),
     KernelConfig(128, 256, 64, 16, 4, 8, 1, 8),
     KernelConfig(128, 128, 128, 8, 3, 8, 1, 4),
+    KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, prefetch=True),
+    KernelConfig(128, 256, 64, 16, 4, 8, 1, 8, prefetch=True),
 )
+# BT = 0: an unfused parameter stepped from its gradient (the fp32 gradient enters as the buffer).
+# There is no mainloop, so only the epilogue's tile and the programs per SM matter.
+ELEMENTWISE_CONFIGS = (
+    KernelConfig(64, 128, 64, 4, 1, 8, 4, 2, use_tma=False),
+    KernelConfig(128, 128, 64, 8, 1, 8, 2, 4, use_tma=False),
+)
+MID_BT_CONFIGS = (SMALL_BT_CONFIGS[4], SMALL_BT_CONFIGS[5], SMALL_BT_CONFIGS[7], SMALL_BT_CONFIGS[9])\
+    + LARGE_BT_CONFIGS[:4] + LARGE_BT_CONFIGS[6:]
 
 
 GPU_TEST_CONFIG = SMALL_BT_CONFIGS[0]
 
 
 def candidate_configs(bt: int) -> tuple[KernelConfig, ...]:
+    if bt == 0:
+        return ELEMENTWISE_CONFIGS
     if bt <= 1024:
         return SMALL_BT_CONFIGS
     if bt <= 4096:
-        return SMALL_BT_CONFIGS[4:6] + LARGE_BT_CONFIGS[:4]
+        return MID_BT_CONFIGS
     return LARGE_BT_CONFIGS
 
 
 def bt_regime(bt: int) -> int:
-    """Bucket BT so that a tuned winner is reused across nearby token counts."""
+    """Bucket BT so that a tuned winner is reused across nearby token counts (0 stays its own)."""
+    if bt == 0:
+        return 0
     b = 64
     while b < bt:
         b *= 2
@@ -100,13 +126,12 @@ def state_kind(view) -> int:
 
 
 def _ensure_allocator():
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
+    if not getattr(_ALLOCATOR_SET, "done", False):
         def alloc(size: int, alignment: int, stream):
             return torch.empty(size, dtype=torch.int8, device="cuda")
 
         triton.set_allocator(alloc)
-        _ALLOCATOR_SET = True
+        _ALLOCATOR_SET.done = True
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -191,7 +216,8 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         S0=0 if accumulate else kinds[0], S1=0 if accumulate else kinds[1], S2=0 if accumulate else kinds[2],
         S_SR=bool(stochastic_state), DOT_PREC=dot_prec, INTERPRET=interp, USE_TMA=use_tma,
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten and not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten and not interp, PREFETCH=cfg.prefetch and not interp,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}),
     )
 
@@ -254,11 +280,14 @@ class Tuner:
         return results[0][1]
 
 
+_BOOL_FIELDS = ("use_tma", "flatten", "prefetch")
+
+
 def _parse_cfg(text: str) -> dict:
     out = {}
     for part in text.split(","):
         k, v = part.split("=")
-        out[k.strip()] = (v.strip().lower() in ("1", "true")) if k.strip() == "use_tma" else int(v)
+        out[k.strip()] = (v.strip().lower() in ("1", "true")) if k.strip() in _BOOL_FIELDS else int(v)
     return out
 
 
