@@ -67,27 +67,37 @@ def kernel_gradients(model):
 
 
 def test_eager_fp32_equals_torch_adamw_given_the_same_gradient():
-    """5 steps of a Llama with the Triton backend against torch.optim.AdamW (single-tensor) whose
-    linear-layer gradients are the kernel's own: weights equal to fp32 round-off. (Eager attention,
-    so both models run bit-identical forward/backward ops at step 1.)"""
+    """A Llama with the Triton backend against torch.optim.AdamW (single-tensor) whose linear-layer
+    gradients are the kernel's own (eager attention: both models run bit-identical ops at step 1).
+
+    Step 1 (identical weights and gradients, only the update arithmetic differs): equal to fp32
+    round-off, <= 1e-6. Steps 2-5: an ulp of difference in W changes the next gradients by round-off,
+    and Adam turns round-off in near-zero gradients into visible steps, so the 5-step gap is bounded
+    by the gap between torch.optim's own fused and single-tensor AdamW on the same gradients
+    (measured in the same run), not by a fixed number."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = llama(attn="eager")
-    ref_model = copy.deepcopy(model)
+    base = llama(attn="eager")
+    model, ref_model, fused_model = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     opt = forge_optim.AdamW(model, lr=1e-3, weight_decay=0.01)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
     assert opt._backend_for(model.lm_head.weight).name == "triton"
-    overwrite = kernel_gradients(ref_model)
+    refs = [(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3, weight_decay=0.01, foreach=False)),
+            (fused_model, torch.optim.AdamW(fused_model.parameters(), lr=1e-3, weight_decay=0.01, fused=True))]
+    overwrites = [kernel_gradients(m) for m, _ in refs]
+    gaps = []
     for ids in data(5):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_model(input_ids=ids, labels=ids).loss.backward()
-        overwrite()
-        ref.step()
-        ref.zero_grad()
-    d = rel_diff(model, ref_model)
-    print(f"eager forge vs torch.optim on the kernel's gradient, 5 steps: max rel {d:.2e}")
-    assert d <= 1e-5
+        for (m, o), overwrite in zip(refs, overwrites):
+            m(input_ids=ids, labels=ids).loss.backward()
+            overwrite()
+            o.step()
+            o.zero_grad()
+        gaps.append((rel_diff(model, ref_model), rel_diff(fused_model, ref_model)))
+    print("forge vs single-tensor AdamW / fused vs single-tensor AdamW, per step: "
+          + ", ".join(f"{a:.1e}/{b:.1e}" for a, b in gaps))
+    assert gaps[0][0] <= 1e-6, gaps[0]
+    assert gaps[-1][0] <= 2 * gaps[-1][1] + 1e-5, gaps[-1]
 
 
 def test_compiled_fp32_within_compile_noise_of_torch_adamw():
