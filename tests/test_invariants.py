@@ -231,3 +231,51 @@ def test_in_place_misuse_raises_torchs_error():
     h = x @ lin.weight.t()  # an upstream consumer that saved the weight; its backward runs after lin's
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         lin(h).sum().backward()
+
+
+@pytest.mark.parametrize("value", [0.0, 0.1, -0.3, 1e-30])
+@pytest.mark.parametrize("nonnegative", [False, True])
+def test_quantized_full_equals_quantizing_a_full_tensor(value, nonnegative):
+    from forge_optim import precision
+
+    if nonnegative and value < 0:
+        pytest.skip("non-negative states are never initialized below zero")
+    for rows, cols in ((3, 64), (5, 100), (1, 1)):
+        q_ref, s_ref = precision.quantize(torch.full((rows, cols), value), nonnegative)
+        q, s = precision.quantized_full(rows, cols, value, nonnegative)
+        assert q.dtype == q_ref.dtype and torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+class _DtypeAllocRecorder(_AllocRecorder):
+    """Every new storage an op returns (views of its inputs excluded), with its dtype."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                self.sizes.append((t.numel(), t.dtype, str(func)))
+        return out
+
+
+@pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
+def test_state_init_allocates_no_fp32_copy_of_the_weight(state_dtype):
+    """States are born in their storage format: on the 8B model's 128256x4096 embedding an fp32
+    detour cost a 7 GiB first-step peak (measured on the H200: 41.8 GiB vs 34.8 GiB steady)."""
+    model = nn.ModuleDict(dict(lin=nn.Linear(80, 96, bias=False), emb=nn.Embedding(50, 80)))
+    opt = forge_optim.Adagrad(model, lr=1e-2, initial_accumulator_value=0.1, state_dtype=state_dtype)
+    group = opt.param_groups[0]
+    for p in (model["lin"].weight, model["emb"].weight):
+        rec = _DtypeAllocRecorder()
+        with rec:
+            state = opt._init_state(p, group)
+        fp32_big = [s for s in rec.sizes if s[1] == torch.float32 and s[0] >= p.numel()]
+        assert not fp32_big, fp32_big
+        stored = state["sum"] if state_dtype == "bf16" else precision_dequantize(state)
+        assert torch.allclose(stored.float().reshape(p.shape), torch.full(p.shape, 0.1), rtol=4e-3)
+
+
+def precision_dequantize(state):
+    from forge_optim import precision
+
+    return precision.dequantize(state["sum"].view(-1, state["sum"].shape[-1]), state["sum_scale"])

@@ -276,17 +276,35 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for spec in self.rule.state_specs(group):
             if spec.name not in state:
                 value = float(group[spec.init]) if spec.init else 0.0
-                self._set_state(p, state, spec, torch.full(lp.shape, value, dtype=torch.float32, device=lp.device), mode)
+                self._set_state_constant(p, state, spec, value, mode)
         if "_nonfinite" not in state:
             state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=lp.device)
         return state
+
+    @classmethod
+    def _set_state_constant(cls, p, state: dict, spec, value: float, mode: str) -> None:
+        """A fresh state, built directly in its storage format: no fp32 copy of the weight's size
+        exists even for a moment (for int8 and bf16 states that copy would be the step's peak)."""
+        lp = dtensor.local(p)
+        v32 = torch.tensor(value, dtype=torch.float32).item()  # the fp32 value the rule starts from
+        if mode == "int8":
+            cols = lp.shape[-1] if lp.dim() else 1  # the [rows, cols] view of _as_2d
+            q, scale = precision.quantized_full(max(1, lp.numel()) // max(1, cols), cols, v32, spec.nonnegative,
+                                                device=lp.device)
+            cls._set_state(p, state, spec, None, mode, quantized=(q, scale))
+        elif mode == "bf16":
+            v16 = torch.tensor(v32, dtype=torch.float32).to(torch.bfloat16).item()  # fp32 -> bf16 (RNE) once
+            state[spec.name] = dtensor.like(p, torch.full(lp.shape, v16, dtype=torch.bfloat16, device=lp.device))
+        else:
+            state[spec.name] = dtensor.like(p, torch.full(lp.shape, v32, dtype=torch.float32, device=lp.device))
 
     @staticmethod
     def _set_state(p, state: dict, spec, value: torch.Tensor, mode: str, quantized=None) -> None:
         """Store an fp32 value of the parameter's (local) shape in this optimizer's storage format.
         Under tensor parallelism states are DTensors placed like their parameter."""
         lp = dtensor.local(p)
-        value = dtensor.local(value).to(device=lp.device)
+        if value is not None:
+            value = dtensor.local(value).to(device=lp.device)
         if mode == "int8":
             if quantized is not None:
                 q, scale = (dtensor.local(t) for t in quantized)

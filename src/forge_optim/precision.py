@@ -108,6 +108,24 @@ def quantize(x32: torch.Tensor, nonnegative: bool) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
+def quantized_full(rows: int, cols: int, value: float, nonnegative: bool,
+                   device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(torch.full((rows, cols), value))`` without the weight-sized fp32 temporaries
+    (a 128256x4096 embedding would need ~7 GiB of them): every block of a constant has absmax
+    |value|, so its codes are +-qmax (0 for 0) and its scale |value| / qmax."""
+    qmax = UNSIGNED_QMAX if nonnegative else SIGNED_QMAX
+    v = torch.tensor(value, dtype=torch.float32)
+    nb = -(-cols // INT8_BLOCK)
+    scale = torch.full((rows, nb), abs(v.item()), dtype=torch.float32, device=device) / qmax
+    if nonnegative:
+        code = qmax if v.item() > 0 else 0
+        q = torch.full((rows, cols), code, dtype=torch.uint8, device=device)
+    else:
+        code = 0 if v.item() == 0 else (qmax if v.item() > 0 else -qmax)
+        q = torch.full((rows, cols), code, dtype=torch.int8, device=device)
+    return q, scale
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     rows, cols = q.shape
     qb, _ = _blocked(q.float())
