@@ -78,3 +78,15 @@ def rel_diff(a: nn.Module, b: nn.Module) -> float:
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         worst = max(worst, ((p.float() - q.float()).abs().max() / q.float().abs().max().clamp_min(1e-30)).item())
     return worst
+
+
+def adam_bound(noise: float, tol: float = 1e-5, factor: float = 4.0) -> float:
+    """The allowed FORGE-vs-torch.optim gap after several Adam steps of a whole model.
+
+    Step 1 differs by round-off only (~1e-7 of max|W|). From step 2 on, that ulp of difference in W
+    changes the next gradients by round-off, and Adam's normalization turns round-off in a
+    near-zero gradient coordinate into a step of up to lr: the gap jumps to ~1e-5 of max|W| for
+    torch.optim's own fused vs single-tensor AdamW as well. So the bound is the larger of ``tol``
+    and ``factor`` times that torch-vs-torch gap (``noise``), measured on the same model and data.
+    """
+    return max(tol, factor * noise)

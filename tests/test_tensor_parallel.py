@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import adam_bound
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -37,6 +38,10 @@ def _train(model, opt, steps):
         opt.zero_grad()
 
 
+def _full(p):
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+
 def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
     try:
         import forge_optim
@@ -56,6 +61,12 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
         fused = set(opt.fused_modules())
         assert "layers.0.attention.wq" in fused and "layers.1.feed_forward.w2" in fused and "output" in fused, fused
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        # the noise floor of helpers.adam_bound: torch's own fused-vs-single-tensor gap, and the gap
+        # that tensor parallelism alone opens (the same parallelized model stepped by torch.optim)
+        ref_fused = copy.deepcopy(base)
+        ref_fused_opt = torch.optim.AdamW(ref_fused.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        torch_tp = parallelize(copy.deepcopy(base), mesh, sequence_parallel=(layout == "sequence"))
+        torch_tp_opt = torch.optim.AdamW(torch_tp.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
 
         _train(model, opt, range(3))
         if ckpt_dir:  # save, continue; then a fresh model + optimizer loads and continues the same way
@@ -64,6 +75,12 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
             dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt_dir)
         _train(model, opt, range(3, STEPS))
         _train(ref, ref_opt, range(STEPS))
+        _train(ref_fused, ref_fused_opt, range(STEPS))
+        _train(torch_tp, torch_tp_opt, range(STEPS))
+        noise = max(((_full(a) - r.detach()).abs().max() / r.abs().max()).item()
+                    for m in (ref_fused, torch_tp) for a, r in zip(m.parameters(), ref.parameters()))
+        same_layout = max(((_full(a) - _full(r)).abs().max() / _full(r).abs().max()).item()
+                          for a, r in zip(model.parameters(), torch_tp.parameters()))
 
         worst = 0.0
         for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
@@ -89,11 +106,11 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
                 a = p.full_tensor() if hasattr(p, "full_tensor") else p
                 b = p2.full_tensor() if hasattr(p2, "full_tensor") else p2
                 resumed = max(resumed, (a - b).abs().max().item())
-        q.put((rank, worst, resumed, None))
+        q.put((rank, worst, resumed, None, (noise, same_layout)))
     except Exception:  # report instead of hanging the other ranks' assertions
         import traceback
 
-        q.put((rank, None, None, traceback.format_exc()))
+        q.put((rank, None, None, traceback.format_exc(), None))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -119,17 +136,23 @@ def _run(world, layout, state_dtype="fp32", checkpoint=False):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["tensor", "sequence"])
 def test_tp_matches_single_process_adamw(world, layout):
-    for rank, worst, _, _ in _run(world, layout):
-        assert worst <= TOL, (rank, worst)
+    """Weights after 5 steps: against torch.optim on the same parallelized model (same shards, same
+    collectives) to 1e-5; against single-process torch.optim within helpers.adam_bound of the gap
+    that tensor parallelism alone opens for torch.optim itself."""
+    for rank, worst, _, _, (noise, same_layout) in _run(world, layout):
+        print(f"rank {rank}: forge TP vs torch.optim TP {same_layout:.2e}; vs single process {worst:.2e} "
+              f"(torch.optim TP vs single process {noise:.2e})")
+        assert same_layout <= TOL, (rank, same_layout)
+        assert worst <= adam_bound(noise, TOL), (rank, worst, noise)
 
 
 def test_tp_optimizer_state_round_trips_through_dcp():
-    for rank, worst, resumed, _ in _run(2, "sequence", checkpoint=True):
-        assert worst <= TOL and resumed == 0.0, (rank, worst, resumed)
+    for rank, worst, resumed, _, (noise, same_layout) in _run(2, "sequence", checkpoint=True):
+        assert same_layout <= TOL and worst <= adam_bound(noise, TOL) and resumed == 0.0, (rank, worst, resumed)
 
 
 def test_tp_int8_state_round_trips_through_dcp():
-    for rank, _, resumed, _ in _run(2, "tensor", state_dtype="int8", checkpoint=True):
+    for rank, _, resumed, _, _ in _run(2, "tensor", state_dtype="int8", checkpoint=True):
         assert resumed == 0.0, (rank, resumed)
 
 
