@@ -8,8 +8,8 @@ set -u
 OUTD=${1:-${OUT:-/tmp/e2e}}
 MODEL=${BENCH_MODEL:-Llama-3.1-8B}
 DEV=${BENCH_DEVICE:-cuda}
-EAGER_BUDGET=${EAGER_BUDGET:-300}
-TOTAL_BUDGET=${TOTAL_BUDGET:-520}
+EAGER_BUDGET=${EAGER_BUDGET:-270}
+TOTAL_BUDGET=${TOTAL_BUDGET:-545}  # compiled forge needs ~90-150 s to compile and tune
 COMPILE_LAYERS=${COMPILE_LAYERS:-8}
 METHODS=${BENCH_METHODS:-none,forge-bf16,torch-fused-adamw,forge-int8,flashoptim-release,optimi-release,bnb-adamw8bit,torchao-adamw8bit,flashoptim}
 START=$SECONDS
