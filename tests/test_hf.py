@@ -45,7 +45,7 @@ def test_llama_matches_torch_adamw(tie):
     model = tiny_llama(tie)
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
-    torch_fused_model = copy.deepcopy(model)
+    torch_fused_model = copy.deepcopy(ref_model)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     torch_fused = torch.optim.AdamW(torch_fused_model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     fused = set(opt.fused_modules())

@@ -279,3 +279,75 @@ def precision_dequantize(state):
     from forge_optim import precision
 
     return precision.dequantize(state["sum"].view(-1, state["sum"].shape[-1]), state["sum_scale"])
+
+
+def _embedding_model(tie=False):
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 24)
+            self.head = nn.Linear(24, 50, bias=False)
+            if tie:
+                self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(torch.tanh(self.emb(ids)))
+
+    torch.manual_seed(0)
+    return LM()
+
+
+class _DenseAllocRecorder(TorchDispatchMode):
+    """Element counts of the dense tensors ops return (a sparse result counts its values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.sizes.append(t._values().numel() if t.is_sparse else t.numel())
+        return out
+
+
+def test_embedding_gradient_is_row_sparse_and_the_step_is_torch_adamws():
+    """The untied embedding's gradient holds only the touched rows (no [vocab, dim] tensor in
+    backward); opt.step() still moves every row, as torch.optim.AdamW does on the dense gradient."""
+    emb = nn.Embedding(50, 24)
+    ref = copy.deepcopy(emb)
+    opt = forge_optim.AdamW(emb, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    c = torch.randn(2, 6, 24)
+    for step in range(4):
+        ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(step))
+        rec = _DenseAllocRecorder()
+        with rec:
+            (emb(ids) * c).sum().backward()
+        assert emb.weight.grad.is_sparse and max(rec.sizes) < 50 * 24, rec.sizes
+        (ref(ids) * c).sum().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    # the loss is linear in the table: no round-off amplification, the two must agree to round-off
+    assert ((emb.weight - ref.weight).abs().max() / ref.weight.abs().max()).item() <= 1e-6
+
+
+def test_sparse_embeddings_opt_out_tied_and_unpatch():
+    from forge_optim.patch import ForgeEmbedding
+
+    model = _embedding_model()
+    opt = forge_optim.AdamW(model, lr=1e-2, sparse_embeddings=False)
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert type(model.emb) is nn.Embedding and not model.emb.weight.grad.is_sparse
+
+    tied = _embedding_model(tie=True)
+    forge_optim.AdamW(tied, lr=1e-2)
+    tied(torch.tensor([[1, 2]])).sum().backward()
+    assert type(tied.emb) is nn.Embedding and not tied.emb.weight.grad.is_sparse
+
+    model = _embedding_model()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert type(model.emb) is ForgeEmbedding
+    opt.unpatch()
+    assert type(model.emb) is nn.Embedding and not model.emb.sparse

@@ -380,6 +380,29 @@ if INTERP:
         for p, q in zip(model.parameters(), ref_model.parameters()):
             assert ((p - q).abs().max() / q.abs().max()).item() <= 1e-5
 
+    def test_sparse_embedding_through_the_kernel():
+        """An embedding's row-sparse gradient, densified chunk by chunk into the BT=0 launch, equals
+        torch.optim.AdamW on the dense gradient."""
+        import forge_optim
+
+        from forge_optim.patch import ForgeEmbedding
+
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(70, 48)
+        ref = copy.deepcopy(emb)
+        opt = forge_optim.AdamW(emb, lr=1e-2, weight_decay=0.1, backend="triton")
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        assert isinstance(emb, ForgeEmbedding)
+        c = torch.randn(9, 48)
+        for step in range(3):
+            ids = torch.randint(0, 70, (9,), generator=torch.Generator().manual_seed(step))
+            for m, o in ((emb, opt), (ref, ref_opt)):
+                (m(ids) * c).sum().backward()
+                assert m.weight.grad.is_sparse == (m is emb)
+                o.step()
+                o.zero_grad()
+        assert ((emb.weight - ref.weight).abs().max() / ref.weight.abs().max()).item() <= 1e-6
+
     def test_fallback_noncontiguous_weight():
         job = make_job("AdamW", "fp32", N0, M0)
         job.weight = job.weight.t()  # [M0, N0] view, not contiguous

@@ -19,6 +19,7 @@ import torch.nn as nn
 from . import dtensor, patch, precision
 from .autograd import Use, register_handle
 from .backends import BACKEND_NAMES, StateView, UpdateJob, make_backend, triton_available
+from .backends.base import RowSparseGrad
 from .rules import Rule
 
 STATE_DTYPES = ("fp32", "bf16", "int8")
@@ -119,7 +120,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, defaults: dict, *, params=None, state_dtype: str | None = None,
                  stochastic_rounding: bool | None = None, backend: str = "auto", exclude=(),
-                 nonfinite: str = "skip", block_rows: int = 256, seed: int = 0, **torch_flags):
+                 nonfinite: str = "skip", block_rows: int = 256, seed: int = 0, sparse_embeddings: bool = True,
+                 **torch_flags):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(f"forge_optim.{name} takes the model first (it patches the model's nn.Linear "
@@ -128,7 +130,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for key, value in torch_flags.items():
             if key not in _TORCH_ONLY_FLAGS:
                 valid = sorted(list(defaults) + ["params", "state_dtype", "stochastic_rounding", "backend",
-                                                 "exclude", "nonfinite", "block_rows", "seed"])
+                                                 "exclude", "nonfinite", "block_rows", "seed",
+                                                 "sparse_embeddings"])
                 raise TypeError(f"forge_optim.{name}: unknown option {key!r}; valid options: {', '.join(valid)}")
             if key in ("capturable", "differentiable") and value:
                 raise ValueError(f"forge_optim.{name}: {key}=True is not supported")
@@ -180,6 +183,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             patch.attach(mod, handle)
             self._handles[mname] = handle
         self._fused_ids = {id(h.param): h for h in self._handles.values()}
+        # Embeddings hand opt.step() only their touched rows (patch.plan_sparse_embeddings says why).
+        self._sparse_embeddings = patch.plan_sparse_embeddings(model, trained) if sparse_embeddings else {}
+        for mod in self._sparse_embeddings.values():
+            mod.__class__ = patch.ForgeEmbedding
 
     # ----- groups -------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
@@ -232,6 +239,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             h.detach()
         self._handles = {}
         self._fused_ids = {}
+        for mod in self._sparse_embeddings.values():
+            if type(mod) is patch.ForgeEmbedding:
+                mod.__class__ = nn.Embedding
+        self._sparse_embeddings = {}
 
     def nonfinite_counts(self) -> dict[str, int]:
         """{name: coordinates skipped so far because their gradient was NaN or Inf} (non-zero only)."""
@@ -371,7 +382,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
         job = self._job(p, w2d, group, state, self._index_of(p))
         if dtensor.is_dtensor(grad) and dtensor.is_dtensor(p) and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial norm-weight gradient
-        g2d = _as_2d(dtensor.local(grad).contiguous())  # cast to fp32 chunk by chunk by the backend
+        if grad.is_sparse:  # an embedding's touched rows: densified chunk by chunk by the backend
+            if grad.shape != w2d.shape:
+                raise RuntimeError(f"sparse gradient of '{self._param_names.get(id(p), '?')}' has shape "
+                                   f"{tuple(grad.shape)}; forge_optim steps row-sparse 2-D gradients (embeddings)")
+            g2d = RowSparseGrad(grad)
+        else:
+            g2d = _as_2d(dtensor.local(grad).contiguous())  # cast to fp32 chunk by chunk by the backend
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
         self._backend_for(p).update_from_grad(job, g2d)
         if not contiguous:
@@ -405,8 +422,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("forge_optim does not support sparse gradients")
                 self._apply_from_grad(p, group, p.grad)
         return loss
 

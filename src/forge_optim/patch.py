@@ -116,6 +116,40 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
     return fuse, skip
 
 
+class ForgeEmbedding(nn.Embedding):
+    """nn.Embedding whose gradient is row-sparse in eager mode and dense under torch.compile."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        sparse = self.sparse or not torch.compiler.is_compiling()
+        return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, sparse)
+
+
+def plan_sparse_embeddings(model: nn.Module, trained: set[int]) -> dict:
+    """{name: nn.Embedding} whose gradient can be row-sparse: a dense gradient of a 128256x4096
+    vocabulary is 1 GiB of mostly zero rows (a batch touches at most BT of them), the largest
+    gradient left in a FORGE step. ``nn.Embedding.sparse = True`` makes autograd hand ``opt.step()``
+    only the touched rows; the update still runs over every row (weight decay and moment decay move
+    the untouched ones too), so the result is torch.optim's on the dense gradient.
+
+    Left dense: weights shared with another module (a tied lm_head adds a dense gradient anyway),
+    frozen or untrained weights, DTensor shards (vocabulary parallelism), already sparse modules,
+    and subclasses of nn.Embedding (their own forward may not pass ``sparse``). Under torch.compile
+    the gradient stays dense (inductor cannot hold sparse tensors): see :class:`ForgeEmbedding`."""
+    owners: dict[int, int] = defaultdict(int)
+    for mod in model.modules():
+        for q in mod._parameters.values():
+            if q is not None:
+                owners[id(q)] += 1
+    out = {}
+    for name, mod in model.named_modules():
+        if (type(mod) is nn.Embedding and not mod.sparse and mod.weight.requires_grad
+                and id(mod.weight) in trained and owners[id(mod.weight)] == 1
+                and not dtensor.is_dtensor(mod.weight)):
+            out[name] = mod
+    return out
+
+
 def attach(mod: nn.Linear, handle) -> None:
     mod.__class__ = ForgeLinear
     mod._forge_handle = handle

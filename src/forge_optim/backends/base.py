@@ -69,6 +69,42 @@ class Backend:
 CHUNK_ELEMENTS = 1 << 24
 
 
+class RowSparseGrad:
+    """A [rows, cols] gradient that is zero outside ``index`` (sorted, unique rows): what
+    ``nn.Embedding(sparse=True)`` gives. ``rows(r0, r1)`` densifies one chunk, in fp32."""
+
+    def __init__(self, grad: torch.Tensor):
+        g = grad.coalesce()
+        if g.sparse_dim() != 1 or g.dim() != 2:
+            raise ValueError(f"expected a row-sparse 2-D gradient (an embedding's), got sparse_dim="
+                             f"{g.sparse_dim()} of a {g.dim()}-D tensor")
+        self.shape = tuple(g.shape)
+        self.index = g.indices()[0]
+        self.values = g.values()
+        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
+        # where every default chunk starts in ``index``: one host sync for all of them
+        chunks = list(row_chunks(*self.shape))
+        edges = torch.tensor([r0 for r0, _ in chunks] + [self.shape[0]], device=self.index.device)
+        pos = torch.searchsorted(self.index, edges).tolist()
+        for i, (r0, r1) in enumerate(chunks):
+            self._bounds[(r0, r1)] = (pos[i], pos[i + 1])
+
+    def rows(self, r0: int, r1: int) -> torch.Tensor:
+        lo, hi = self._bounds.get((r0, r1)) or torch.searchsorted(
+            self.index, torch.tensor([r0, r1], device=self.index.device)).tolist()
+        out = torch.zeros(r1 - r0, self.shape[1], dtype=torch.float32, device=self.values.device)
+        if hi > lo:
+            out.index_add_(0, self.index[lo:hi] - r0, self.values[lo:hi].float())
+        return out
+
+
+def grad_rows(grad, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a dense 2-D gradient or of a :class:`RowSparseGrad`, as fp32."""
+    if isinstance(grad, RowSparseGrad):
+        return grad.rows(r0, r1)
+    return grad[r0:r1].float()
+
+
 def row_chunks(rows: int, cols: int, chunk_elements: int = CHUNK_ELEMENTS):
     step = max(1, chunk_elements // max(cols, 1))
     for r0 in range(0, rows, step):

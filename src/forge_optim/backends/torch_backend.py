@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import precision
-from .base import Backend, UpdateJob, row_chunks
+from .base import Backend, UpdateJob, grad_rows, row_chunks
 
 
 def _offsets(r0: int, r1: int, cols: int, device) -> torch.Tensor:
@@ -86,4 +86,4 @@ class TorchBackend(Backend):
     def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
         rows, cols = job.weight.shape
         for r0, r1 in row_chunks(rows, cols):
-            apply_update(job, grad[r0:r1].float(), r0, r1)
+            apply_update(job, grad_rows(grad, r0, r1), r0, r1)

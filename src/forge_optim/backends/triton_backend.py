@@ -11,7 +11,7 @@ import torch
 from .._triton import interpreting
 from ..kernels import fused
 from ..kernels.launch import KernelConfig, Tuner, bt_regime, launch, state_kind
-from .base import Backend, StateView, UpdateJob, row_chunks
+from .base import Backend, StateView, UpdateJob, grad_rows, row_chunks
 from .torch_backend import TorchBackend
 
 _FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
@@ -104,7 +104,7 @@ class TritonBackend(Backend):
                 weight=w[r0:r1], rule=job.rule, coeffs=job.coeffs,
                 states=[StateView(v.spec, v.data[r0:r1], None if v.scale is None else v.scale[r0:r1])
                         for v in job.states],
-                grad_sign=job.grad_sign, grad_buffer=grad[r0:r1].float().contiguous(),
+                grad_sign=job.grad_sign, grad_buffer=grad_rows(grad, r0, r1).contiguous(),
                 stochastic_weight=job.stochastic_weight, stochastic_state=job.stochastic_state,
                 # offsets restart in each chunk: give each chunk its own random stream
                 key_weight=_chunk_key(job.key_weight, i),
