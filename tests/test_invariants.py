@@ -351,3 +351,9 @@ def test_sparse_embeddings_opt_out_tied_and_unpatch():
     assert type(model.emb) is ForgeEmbedding
     opt.unpatch()
     assert type(model.emb) is nn.Embedding and not model.emb.sparse
+
+    model = _embedding_model()
+    forge_optim.AdamW(model, lr=1e-2)
+    forge_optim.unpatch(model)  # the module-level form too: torch.optim afterwards needs dense gradients
+    model(torch.tensor([[1, 2]])).sum().backward()
+    assert type(model.emb) is nn.Embedding and not model.emb.weight.grad.is_sparse

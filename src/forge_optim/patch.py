@@ -165,7 +165,8 @@ def detach(mod: nn.Module) -> None:
 
 
 def unpatch(model: nn.Module) -> int:
-    """Turn every ForgeLinear of ``model`` back into a plain nn.Linear; returns how many."""
+    """Turn every ForgeLinear of ``model`` back into a plain nn.Linear (and every ForgeEmbedding into
+    an nn.Embedding with a dense gradient, as torch.optim needs); returns how many linears."""
     n = 0
     for mod in model.modules():
         if isinstance(mod, ForgeLinear):
@@ -174,4 +175,6 @@ def unpatch(model: nn.Module) -> int:
                 h.detach()
             detach(mod)
             n += 1
+        elif type(mod) is ForgeEmbedding:
+            mod.__class__ = nn.Embedding
     return n
