@@ -12,6 +12,9 @@ tile it accumulates ``G = dY[:, rows]^T X[:, cols]`` in fp32 registers over the 
   per-64-block absmax quantization). The gradient never exists in memory.
 - MODE_ACCUMULATE: fp32 ``buffer += G``.
 
+With ``PREFETCH`` (GPU only) each tile's W, states and buffer are requested into L2 before its
+mainloop (``_prefetch_l2``), so the epilogue's loads hit L2 (kernel v4 in benchmarks/NOTES.md).
+
 The numerics follow ``backends.torch_backend.apply_update`` op for op; the stochastic-rounding bits
 come from the same uint32 hash as ``precision.hash32``.
 
