@@ -1,6 +1,7 @@
 """Time the fused FORGE kernel against torch's separate wgrad GEMM + fused AdamW, on one GPU.
 
     PYTHONPATH=src python benchmarks/bench_kernel.py [--quick] [--shapes 4096x4096,...] [--bts 512,...]
+    FORGE_TUNE_EXPLORE=1 ...    also tune the exploratory small-BT configs (kernels/launch.py)
 
 For each Llama-3.1-8B linear shape (Dout x Din) and token count BT, with bf16 W and bf16 (SR) or int8
 states (AdamW):
@@ -99,12 +100,14 @@ def run(args):
         import time
 
         from forge_optim.kernels import fused as fk
-        from forge_optim.kernels.launch import LARGE_BT_CONFIGS, SMALL_BT_CONFIGS, precompile
+        from forge_optim.kernels.launch import (EXPLORE_SMALL_BT_CONFIGS, LARGE_BT_CONFIGS, SMALL_BT_CONFIGS,
+                                                precompile)
 
         t0 = time.time()
         kinds = {"bf16": (fk.S_BF16, fk.S_BF16, 0), "int8": (fk.S_INT8, fk.S_UINT8, 0)}
-        specs = [dict(config=c, kinds=kinds[m]) for c in dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS)
-                 for m in args.modes]
+        explore = EXPLORE_SMALL_BT_CONFIGS if os.environ.get("FORGE_TUNE_EXPLORE") == "1" else ()
+        specs = [dict(config=c, kinds=kinds[m])
+                 for c in dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS + explore) for m in args.modes]
         res = precompile(specs)
         print(f"precompiled {len(specs)} variants in {time.time() - t0:.0f}s", flush=True)
         for line in res:

@@ -445,6 +445,19 @@ GPU_SHAPES = [(4096, 4096), (14336, 4096), (128256, 4096)]
 GPU_BTS = [512, 4096]
 
 
+def test_explore_configs_only_on_request(monkeypatch):
+    from forge_optim.kernels.launch import EXPLORE_SMALL_BT_CONFIGS, SMALL_BT_CONFIGS, candidate_configs
+
+    monkeypatch.delenv("FORGE_TUNE_EXPLORE", raising=False)
+    assert candidate_configs(512) == SMALL_BT_CONFIGS
+    monkeypatch.setenv("FORGE_TUNE_EXPLORE", "1")
+    assert candidate_configs(512) == SMALL_BT_CONFIGS + EXPLORE_SMALL_BT_CONFIGS
+    from forge_optim.kernels.launch import LARGE_BT_CONFIGS
+
+    assert candidate_configs(8192) == LARGE_BT_CONFIGS  # large BT unchanged
+    assert all(c.BN % 64 == 0 for c in EXPLORE_SMALL_BT_CONFIGS)
+
+
 def test_tma_allocator_set_in_every_launching_thread():
     """Triton's allocator is a ContextVar (per thread); backward launches from autograd's threads."""
     import threading

@@ -97,10 +97,25 @@ MID_BT_CONFIGS = (SMALL_BT_CONFIGS[4], SMALL_BT_CONFIGS[5], SMALL_BT_CONFIGS[7],
 GPU_TEST_CONFIG = SMALL_BT_CONFIGS[0]
 
 
+# Not tuned by default: smaller tiles and more resident programs for the latency-bound small layers
+# (1024x4096 at BT=512 runs at ~0.4 TB/s with the default list). FORGE_TUNE_EXPLORE=1 adds them to the
+# small-BT candidates, so one benchmark run shows whether any deserves a place in the list above.
+EXPLORE_SMALL_BT_CONFIGS = (
+    KernelConfig(32, 128, 64, 4, 3, 8, 4, 4, maxnreg=128),
+    KernelConfig(32, 128, 64, 4, 3, 8, 4, 4, maxnreg=128, prefetch=True),
+    KernelConfig(64, 64, 64, 4, 3, 8, 4, 4, maxnreg=128, prefetch=True),
+    KernelConfig(64, 128, 128, 4, 2, 8, 2, 8, maxnreg=168, prefetch=True),  # 98 KB smem: 2 per SM
+    KernelConfig(64, 256, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
+    KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
+)
+
+
 def candidate_configs(bt: int) -> tuple[KernelConfig, ...]:
     if bt == 0:
         return ELEMENTWISE_CONFIGS
     if bt <= 1024:
+        if os.environ.get("FORGE_TUNE_EXPLORE") == "1":
+            return SMALL_BT_CONFIGS + EXPLORE_SMALL_BT_CONFIGS
         return SMALL_BT_CONFIGS
     if bt <= 4096:
         return MID_BT_CONFIGS
