@@ -74,7 +74,7 @@ class RowSparseGrad:
     ``nn.Embedding(sparse=True)`` gives. ``rows(r0, r1)`` densifies one chunk, in fp32."""
 
     def __init__(self, grad: torch.Tensor):
-        g = grad.coalesce()
+        g = grad.float().coalesce()  # duplicate rows (a token seen twice) summed in fp32
         if g.sparse_dim() != 1 or g.dim() != 2:
             raise ValueError(f"expected a row-sparse 2-D gradient (an embedding's), got sparse_dim="
                              f"{g.sparse_dim()} of a {g.dim()}-D tensor")
@@ -94,7 +94,7 @@ class RowSparseGrad:
             self.index, torch.tensor([r0, r1], device=self.index.device)).tolist()
         out = torch.zeros(r1 - r0, self.shape[1], dtype=torch.float32, device=self.values.device)
         if hi > lo:
-            out.index_add_(0, self.index[lo:hi] - r0, self.values[lo:hi].float())
+            out.index_add_(0, self.index[lo:hi] - r0, self.values[lo:hi])
         return out
 
 
