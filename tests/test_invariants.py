@@ -357,3 +357,21 @@ def test_sparse_embeddings_opt_out_tied_and_unpatch():
     forge_optim.unpatch(model)  # the module-level form too: torch.optim afterwards needs dense gradients
     model(torch.tensor([[1, 2]])).sum().backward()
     assert type(model.emb) is nn.Embedding and not model.emb.weight.grad.is_sparse
+
+
+def test_bf16_embedding_with_sparse_gradient_steps_like_dense():
+    """bf16 table: the sparse path (duplicates summed in fp32) and sparse_embeddings=False agree
+    to one bf16 rounding of the weight."""
+    torch.manual_seed(0)
+    a = nn.Embedding(40, 16).to(torch.bfloat16)
+    b = copy.deepcopy(a)
+    opt_a = forge_optim.AdamW(a, lr=1e-2, state_dtype="bf16", stochastic_rounding=False)
+    opt_b = forge_optim.AdamW(b, lr=1e-2, state_dtype="bf16", stochastic_rounding=False, sparse_embeddings=False)
+    ids = torch.tensor([[1, 2, 2, 7], [7, 7, 3, 1]])
+    c = torch.randn(2, 4, 16).to(torch.bfloat16)
+    for m, o in ((a, opt_a), (b, opt_b)):
+        (m(ids).float() * c.float()).sum().backward()
+        assert m.weight.grad.is_sparse == (m is a)
+        o.step()
+    ulp = a.weight.float().abs().max() * 2.0 ** -7
+    assert (a.weight.float() - b.weight.float()).abs().max() <= ulp
