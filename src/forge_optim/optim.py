@@ -27,6 +27,8 @@ _TORCH_ONLY_FLAGS = dict(foreach=None, fused=None, capturable=False, differentia
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 2:  # the common case (a linear's weight and states): no view op on the hot path
+        return t
     if t.dim() == 0:
         return t.view(1, 1)
     return t.view(-1, t.shape[-1])
@@ -91,9 +93,11 @@ class FusedWeight:
         elif kind == "rec":
             self.pending_rec = max(0, self.pending_rec - 1)
 
-    @torch.no_grad()
     def consume(self, dy: torch.Tensor, x: torch.Tensor, use: Use | None) -> None:
         """Called from backward with this use's dY [..., Dout] and X [..., Din] (DTensors under TP)."""
+        if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
+            with torch.no_grad():
+                return self.consume(dy, x, use)
         if use is not None and not use.done:
             use.done = True
             self.release(use.kind)
@@ -347,8 +351,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
             key_states=tuple(keys), nonfinite=state["_nonfinite"])
 
     # ----- updates ------------------------------------------------------------------------------
-    @torch.no_grad()
     def _fused_update(self, handle: FusedWeight, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """From FusedWeight.consume, with grad disabled."""
         p = handle.param
         gi, idx = self._locate(p)
         group = self.param_groups[gi]
