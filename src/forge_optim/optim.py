@@ -26,12 +26,18 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 _TORCH_ONLY_FLAGS = dict(foreach=None, fused=None, capturable=False, differentiable=False)
 
 
+def _shape_2d(t: torch.Tensor) -> tuple[int, int]:
+    """The [rows, cols] a state is stored as: the last axis stays whole (int8 blocks run along it)."""
+    if t.dim() == 0:
+        return 1, 1
+    cols = t.shape[-1]
+    return (t.numel() // cols if cols else 0), cols
+
+
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 2:  # the common case (a linear's weight and states): no view op on the hot path
         return t
-    if t.dim() == 0:
-        return t.view(1, 1)
-    return t.view(-1, t.shape[-1])
+    return t.view(_shape_2d(t))
 
 
 class FusedWeight:
@@ -303,9 +309,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         lp = dtensor.local(p)
         v32 = torch.tensor(value, dtype=torch.float32).item()  # the fp32 value the rule starts from
         if mode == "int8":
-            cols = lp.shape[-1] if lp.dim() else 1  # the [rows, cols] view of _as_2d
-            q, scale = precision.quantized_full(max(1, lp.numel()) // max(1, cols), cols, v32, spec.nonnegative,
-                                                device=lp.device)
+            q, scale = precision.quantized_full(*_shape_2d(lp), v32, spec.nonnegative, device=lp.device)
             cls._set_state(p, state, spec, None, mode, quantized=(q, scale))
         elif mode == "bf16":
             v16 = torch.tensor(v32, dtype=torch.float32).to(torch.bfloat16).item()  # fp32 -> bf16 (RNE) once

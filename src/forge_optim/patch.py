@@ -81,13 +81,19 @@ def check_not_data_parallel(model: nn.Module) -> None:
                 raise ValueError(f"module '{name or type(model).__name__}' uses torch.distributed's {api}(): {why}")
 
 
-def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dict]:
-    """Returns ({name: linear to fuse}, {name: reason it is not fused}) for every nn.Linear."""
+def param_owners(model: nn.Module) -> dict[int, set[int]]:
+    """{id(parameter): ids of the modules that hold it}: more than one means a tied weight."""
     owners: dict[int, set[int]] = defaultdict(set)
     for mod in model.modules():
         for p in mod._parameters.values():
             if p is not None:
                 owners[id(p)].add(id(mod))
+    return owners
+
+
+def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dict]:
+    """Returns ({name: linear to fuse}, {name: reason it is not fused}) for every nn.Linear."""
+    owners = param_owners(model)
     patterns = [exclude] if isinstance(exclude, str) else list(exclude or ())
     fuse, skip = {}, {}
     for name, mod in model.named_modules():
@@ -136,15 +142,11 @@ def plan_sparse_embeddings(model: nn.Module, trained: set[int]) -> dict:
     frozen or untrained weights, DTensor shards (vocabulary parallelism), already sparse modules,
     and subclasses of nn.Embedding (their own forward may not pass ``sparse``). Under torch.compile
     the gradient stays dense (inductor cannot hold sparse tensors): see :class:`ForgeEmbedding`."""
-    owners: dict[int, int] = defaultdict(int)
-    for mod in model.modules():
-        for q in mod._parameters.values():
-            if q is not None:
-                owners[id(q)] += 1
+    owners = param_owners(model)
     out = {}
     for name, mod in model.named_modules():
         if (type(mod) is nn.Embedding and not mod.sparse and mod.weight.requires_grad
-                and id(mod.weight) in trained and owners[id(mod.weight)] == 1
+                and id(mod.weight) in trained and len(owners[id(mod.weight)]) == 1
                 and not dtensor.is_dtensor(mod.weight)):
             out[name] = mod
     return out

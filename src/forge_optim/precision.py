@@ -114,15 +114,11 @@ def quantized_full(rows: int, cols: int, value: float, nonnegative: bool,
     (a 128256x4096 embedding would need ~7 GiB of them): every block of a constant has absmax
     |value|, so its codes are +-qmax (0 for 0) and its scale |value| / qmax."""
     qmax = UNSIGNED_QMAX if nonnegative else SIGNED_QMAX
-    v = torch.tensor(value, dtype=torch.float32)
+    v = torch.tensor(value, dtype=torch.float32).item()  # the fp32 value quantize() would see
     nb = -(-cols // INT8_BLOCK)
-    scale = torch.full((rows, nb), abs(v.item()), dtype=torch.float32, device=device) / qmax
-    if nonnegative:
-        code = qmax if v.item() > 0 else 0
-        q = torch.full((rows, cols), code, dtype=torch.uint8, device=device)
-    else:
-        code = 0 if v.item() == 0 else (qmax if v.item() > 0 else -qmax)
-        q = torch.full((rows, cols), code, dtype=torch.int8, device=device)
+    scale = torch.full((rows, nb), abs(v), dtype=torch.float32, device=device) / qmax
+    code = qmax if v > 0 else (0 if nonnegative or v == 0 else -qmax)  # quantize() floors v <= 0 to 0
+    q = torch.full((rows, cols), code, dtype=torch.uint8 if nonnegative else torch.int8, device=device)
     return q, scale
 
 
