@@ -104,7 +104,7 @@ def run(args):
                                                 precompile)
 
         t0 = time.time()
-        kinds = {"bf16": (fk.S_BF16, fk.S_BF16, 0), "int8": (fk.S_INT8, fk.S_UINT8, 0)}
+        kinds = fk.ADAM_STATE_KINDS
         explore = EXPLORE_SMALL_BT_CONFIGS if os.environ.get("FORGE_TUNE_EXPLORE") == "1" else ()
         specs = [dict(config=c, kinds=kinds[m])
                  for c in dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS + explore) for m in args.modes]
@@ -198,7 +198,7 @@ def _regime(bt):
 def _kind(mode):
     from forge_optim.kernels import fused
 
-    return fused.S_BF16 if mode == "bf16" else fused.S_INT8
+    return fused.ADAM_STATE_KINDS[mode][0]
 
 
 def main():

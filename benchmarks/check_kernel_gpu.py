@@ -32,9 +32,9 @@ from forge_optim.kernels import fused  # noqa: E402
 from forge_optim.kernels.launch import (GPU_TEST_CONFIG, LARGE_BT_CONFIGS, SMALL_BT_CONFIGS,  # noqa: E402
                                         candidate_configs, precompile)
 
-BF16_STATES = (fused.S_BF16, fused.S_BF16, fused.S_NONE)
-INT8_STATES = (fused.S_INT8, fused.S_UINT8, fused.S_NONE)
-FP32_STATES = (fused.S_FP32, fused.S_FP32, fused.S_NONE)
+BF16_STATES = fused.ADAM_STATE_KINDS["bf16"]
+INT8_STATES = fused.ADAM_STATE_KINDS["int8"]
+FP32_STATES = fused.ADAM_STATE_KINDS["fp32"]
 
 
 def bench_specs():

@@ -82,7 +82,8 @@ def main():
     if "--first" in sys.argv:
         cfgs = cfgs[:1]
     for cfg in cfgs:
-        for name, kinds in (("bf16", (fused.S_BF16, fused.S_BF16)), ("int8", (fused.S_INT8, fused.S_UINT8))):
+        for name in ("bf16", "int8"):
+            kinds = fused.ADAM_STATE_KINDS[name][:2]
             try:
                 k = compile_cfg(cfg, *kinds)
                 md = k.metadata

@@ -336,12 +336,11 @@ def precompile_forge_kernels(forge_methods: list[str], tokens: int) -> list[str]
     from ..kernels import fused
     from ..kernels.launch import candidate_configs, precompile
 
-    kinds = {"forge-bf16": (fused.S_BF16, fused.S_BF16, 0), "forge-int8": (fused.S_INT8, fused.S_UINT8, 0),
-             "forge-fp32": (fused.S_FP32, fused.S_FP32, 0)}
     specs = []
-    for m in forge_methods:
-        specs += [dict(config=c, kinds=kinds[m]) for c in candidate_configs(tokens)]
-        specs += [dict(config=c, kinds=kinds[m], grad_buffer=True) for c in candidate_configs(0)]
+    for m in forge_methods:  # forge-<state dtype>
+        kinds = fused.ADAM_STATE_KINDS[m.split("-", 1)[1]]
+        specs += [dict(config=c, kinds=kinds) for c in candidate_configs(tokens)]
+        specs += [dict(config=c, kinds=kinds, grad_buffer=True) for c in candidate_configs(0)]
     return [line for line in precompile(specs) if line.startswith("FAILED")]
 
 

@@ -35,6 +35,9 @@ S_FP32 = 1
 S_BF16 = 2
 S_INT8 = 3  # signed codes, scale = absmax / 127
 S_UINT8 = 4  # non-negative codes, scale = absmax / 255, positive values floored to code 1
+# the three state slots of a two-moment rule (Adam family: m signed, v non-negative) per state_dtype
+ADAM_STATE_KINDS = {"fp32": (S_FP32, S_FP32, S_NONE), "bf16": (S_BF16, S_BF16, S_NONE),
+                    "int8": (S_INT8, S_UINT8, S_NONE)}
 
 QBLOCK = 64  # columns per int8 scale (precision.INT8_BLOCK)
 
