@@ -42,6 +42,12 @@ def _full(p):
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
 
+def _max_rel(model, ref):
+    """max over parameters of max|model - ref| / max|ref| (DTensors gathered first)."""
+    return max(((_full(a) - _full(r)).abs().max() / _full(r).abs().max()).item()
+               for a, r in zip(model.parameters(), ref.parameters()))
+
+
 def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
     try:
         import forge_optim
@@ -77,15 +83,9 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
         _train(ref, ref_opt, range(STEPS))
         _train(ref_fused, ref_fused_opt, range(STEPS))
         _train(torch_tp, torch_tp_opt, range(STEPS))
-        noise = max(((_full(a) - r.detach()).abs().max() / r.abs().max()).item()
-                    for m in (ref_fused, torch_tp) for a, r in zip(m.parameters(), ref.parameters()))
-        same_layout = max(((_full(a) - _full(r)).abs().max() / _full(r).abs().max()).item()
-                          for a, r in zip(model.parameters(), torch_tp.parameters()))
-
-        worst = 0.0
-        for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            worst = max(worst, ((full.detach() - r.detach()).abs().max() / r.abs().max()).item())
+        noise = max(_max_rel(ref_fused, ref), _max_rel(torch_tp, ref))
+        same_layout = _max_rel(model, torch_tp)
+        worst = _max_rel(model, ref)
         resumed = None
         if ckpt_dir:
             import torch.distributed.checkpoint as dcp
@@ -103,9 +103,7 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
             _train(model2, opt2, range(3, STEPS))
             resumed = 0.0
             for p, p2 in zip(model.parameters(), model2.parameters()):
-                a = p.full_tensor() if hasattr(p, "full_tensor") else p
-                b = p2.full_tensor() if hasattr(p2, "full_tensor") else p2
-                resumed = max(resumed, (a - b).abs().max().item())
+                resumed = max(resumed, (_full(p) - _full(p2)).abs().max().item())
         q.put((rank, worst, resumed, None, (noise, same_layout)))
     except Exception:  # report instead of hanging the other ranks' assertions
         import traceback
