@@ -1002,24 +1002,19 @@ def source_label(src: dict) -> str:
     return f"{src.get('tag', '?')} ({', '.join(names)})"
 
 
-def md_exactness(src: dict) -> str:
-    p = src["parts"].get("exactness")
-    if not p:
-        return ""
-    units = [u for u in p["units"] if u.get("complete")]
-    shapes = p["shapes"]
-    lines = [f"**{source_label(src)}**, backend `{p['backend']}`, BT={p['BT']}, {p['steps']} steps, fp32 W and fp32 "
-             f"state; cell: max over steps of max|W_forge − W_ref| / max|W_ref| (step 1 in brackets).", "",
-             "| rule | " + " | ".join(shapes) + " | held (≤ 1e-5) |", "|---|" + "---|" * (len(shapes) + 1)]
-    for rule in p["rules"]:
+def _rule_shape_table(rules, shapes, units, key, cell) -> list[str]:
+    """Markdown rows of a rule x shape table of ``u[key]`` (cell text: ``cell(u)``), with the verdict
+    of the 1e-5 criterion per rule."""
+    lines = ["| rule | " + " | ".join(shapes) + " | held (≤ 1e-5) |", "|---|" + "---|" * (len(shapes) + 1)]
+    for rule in rules:
         cells, vals = [], []
         for s in shapes:
-            u = next((u for u in units if u["rule"] == rule and u["shape"] == s), None)
+            u = next((u for u in units if u["rule"] == rule and u["shape"] == s and key in u), None)
             if u is None:
                 cells.append("not run")
                 continue
-            vals.append(u["max_rel"])
-            cells.append(f"{u['max_rel']:.1e} ({u['step1_max_rel']:.1e})")
+            vals.append(u[key])
+            cells.append(cell(u))
         if vals and max(vals) > 1e-5:
             verdict = "**no**"
         elif len(vals) < len(shapes):
@@ -1027,18 +1022,25 @@ def md_exactness(src: dict) -> str:
         else:
             verdict = "yes"
         lines.append(f"| {rule} | " + " | ".join(cells) + f" | {verdict} |")
+    return lines
+
+
+def md_exactness(src: dict) -> str:
+    p = src["parts"].get("exactness")
+    if not p:
+        return ""
+    units = [u for u in p["units"] if u.get("complete")]
+    shapes = p["shapes"]
+    lines = [f"**{source_label(src)}**, backend `{p['backend']}`, BT={p['BT']}, {p['steps']} steps, fp32 W and fp32 "
+             f"state; cell: max over steps of max|W_forge − W_ref| / max|W_ref| (step 1 in brackets).", ""]
+    lines += _rule_shape_table(p["rules"], shapes, units, "max_rel",
+                               lambda u: f"{u['max_rel']:.1e} ({u['step1_max_rel']:.1e})")
     if any("own_grad_max_rel" in u for u in units):
         lines += ["", "The same runs against torch.optim fed FORGE's own gradient (the backend's accumulate "
                   "mode: same tiles, same summation order), i.e. the update arithmetic alone; cell: max over "
-                  "steps.", "", "| rule | " + " | ".join(shapes) + " | held (≤ 1e-5) |",
-                  "|---|" + "---|" * (len(shapes) + 1)]
-        for rule in p["rules"]:
-            vals = [next((u.get("own_grad_max_rel") for u in units if u["rule"] == rule and u["shape"] == s_), None)
-                    for s_ in shapes]
-            cells = ["not run" if v is None else f"{v:.1e}" for v in vals]
-            got = [v for v in vals if v is not None]
-            verdict = "**no**" if got and max(got) > 1e-5 else ("yes" if len(got) == len(shapes) else "incomplete")
-            lines.append(f"| {rule} | " + " | ".join(cells) + f" | {verdict} |")
+                  "steps.", ""]
+        lines += _rule_shape_table(p["rules"], shapes, units, "own_grad_max_rel",
+                                   lambda u: f"{u['own_grad_max_rel']:.1e}")
     if p.get("skipped"):
         lines += ["", f"Not run (time budget): {len(p['skipped'])} units."]
     return "\n".join(lines)
