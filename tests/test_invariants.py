@@ -45,18 +45,26 @@ def test_dx_uses_the_weight_from_before_the_update():
 
 
 class _AllocRecorder(TorchDispatchMode):
-    """Records the size of every tensor an op allocates (outputs that alias no input)."""
+    """Records (element count, dtype, op) of every tensor an op returns: by default only new storages
+    (outputs that alias no input); ``views_too=True`` records every output. A sparse result counts
+    its values."""
 
-    def __init__(self):
+    def __init__(self, views_too: bool = False):
         super().__init__()
+        self.views_too = views_too
         self.sizes = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor) and not t.is_sparse}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
-                self.sizes.append((t.numel(), str(func)))
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.is_sparse:
+                self.sizes.append((t._values().numel(), t.dtype, str(func)))
+            elif self.views_too or t.untyped_storage().data_ptr() not in ins:
+                self.sizes.append((t.numel(), t.dtype, str(func)))
         return out
 
 
@@ -72,7 +80,7 @@ def test_no_weight_sized_gradient_is_allocated(state_dtype):
     loss = loss_fn_()
     with rec:
         loss.backward()
-    biggest = max(rec.sizes)
+    biggest = max(rec.sizes, key=lambda s: s[0])
     padded_din = -(-din // 64) * 64  # int8 scales cover whole 64-element blocks
     assert biggest[0] <= block * padded_din, f"allocated {biggest} during backward; weight is {dout * din}"
     assert opt.state[lin.weight]["step"] == 2
@@ -246,18 +254,6 @@ def test_quantized_full_equals_quantizing_a_full_tensor(value, nonnegative):
         assert q.dtype == q_ref.dtype and torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
 
-class _DtypeAllocRecorder(_AllocRecorder):
-    """Every new storage an op returns (views of its inputs excluded), with its dtype."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
-                self.sizes.append((t.numel(), t.dtype, str(func)))
-        return out
-
-
 @pytest.mark.parametrize("state_dtype", ["bf16", "int8"])
 def test_state_init_allocates_no_fp32_copy_of_the_weight(state_dtype):
     """States are born in their storage format: on the 8B model's 128256x4096 embedding an fp32
@@ -266,7 +262,7 @@ def test_state_init_allocates_no_fp32_copy_of_the_weight(state_dtype):
     opt = forge_optim.Adagrad(model, lr=1e-2, initial_accumulator_value=0.1, state_dtype=state_dtype)
     group = opt.param_groups[0]
     for p in (model["lin"].weight, model["emb"].weight):
-        rec = _DtypeAllocRecorder()
+        rec = _AllocRecorder()
         with rec:
             state = opt._init_state(p, group)
         fp32_big = [s for s in rec.sizes if s[1] == torch.float32 and s[0] >= p.numel()]
@@ -297,21 +293,6 @@ def _embedding_model(tie=False):
     return LM()
 
 
-class _DenseAllocRecorder(TorchDispatchMode):
-    """Element counts of the dense tensors ops return (a sparse result counts its values)."""
-
-    def __init__(self):
-        super().__init__()
-        self.sizes = [0]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.sizes.append(t._values().numel() if t.is_sparse else t.numel())
-        return out
-
-
 def test_embedding_gradient_is_row_sparse_and_the_step_is_torch_adamws():
     """The untied embedding's gradient holds only the touched rows (no [vocab, dim] tensor in
     backward); opt.step() still moves every row, as torch.optim.AdamW does on the dense gradient."""
@@ -322,10 +303,10 @@ def test_embedding_gradient_is_row_sparse_and_the_step_is_torch_adamws():
     c = torch.randn(2, 6, 24)
     for step in range(4):
         ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(step))
-        rec = _DenseAllocRecorder()
+        rec = _AllocRecorder(views_too=True)
         with rec:
             (emb(ids) * c).sum().backward()
-        assert emb.weight.grad.is_sparse and max(rec.sizes) < 50 * 24, rec.sizes
+        assert emb.weight.grad.is_sparse and max(n for n, _, _ in rec.sizes) < 50 * 24, rec.sizes
         (ref(ids) * c).sum().backward()
         opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
