@@ -13,7 +13,7 @@ for each method in turn, on one model in one process:
 2. Python: cProfile of 2 steps, the top functions by own time and by cumulative time.
 3. torch.profiler over 1 step: the top CPU ops by self time, and GPU busy time vs the step's span.
 4. Triton launch cost: host microseconds per ``launch()`` of the fused kernel on a small job, next to
-   the raw ``forge_fused_kernel[grid](...)`` call and a ``torch.add`` dispatch.
+   a ``torch.add`` dispatch, and a cProfile of those launches (our wrapper vs Triton's JIT call).
 
 Writes ``profile.json`` and one ``<method>.txt`` report per method into ``--out-dir``.
 """
@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "src"))
 import torch  # noqa: E402
 
 from forge_optim.bench_models import build_model, config_dict  # noqa: E402
-from forge_optim.cli.bench import _make_method  # noqa: E402
+from forge_optim.cli.bench import _make_method, gpu_activity  # noqa: E402
 
 
 def _sync():
@@ -94,9 +94,7 @@ def torch_profile(step, batch):
         step(batch())
         _sync()
     events = prof.events()
-    cpu_names = {e.name for e in events if e.device_type != DeviceType.CUDA}
-    iv = sorted((e.time_range.start, e.time_range.end) for e in events
-                if e.device_type == DeviceType.CUDA and e.name not in cpu_names)
+    iv = sorted((e.time_range.start, e.time_range.end) for e in gpu_activity(events))
     busy, cur = 0.0, None
     for s, e in iv:  # union of GPU intervals
         if cur is None or s > cur[1]:
@@ -115,7 +113,8 @@ def torch_profile(step, batch):
 
 
 def launch_cost(device="cuda", n=300):
-    """Host microseconds per call: our launch() wrapper, the raw Triton call, and torch.add."""
+    """Host microseconds per call of launch() (our wrapper + Triton's JIT call) and of torch.add,
+    and a cProfile of the launches that splits the two."""
     from forge_optim.backends import StateView
     from forge_optim.kernels.launch import SMALL_BT_CONFIGS, launch
     from forge_optim.rules import AdamW
@@ -151,7 +150,6 @@ def launch_cost(device="cuda", n=300):
     res = {"launch_wrapper_us": timeit(lambda: launch(config=cfg, **kw))}
     a = torch.randn(16, device=device)
     res["torch_add_us"] = timeit(lambda: torch.add(a, a))
-    # the Triton JIT call alone: the wrapper's own Python is the difference
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):

@@ -570,9 +570,19 @@ def _kernel_category(name: str) -> str:
     return "elementwise/other"
 
 
+def gpu_activity(events) -> list:
+    """The GPU kernels, memcpys and memsets among torch.profiler ``events``. record_function ranges
+    (e.g. 'Optimizer.step#AdamW.step') also appear as GPU-side user annotations spanning their
+    kernels: those are left out, or their kernels would be counted twice."""
+    from torch.autograd import DeviceType
+
+    cpu_names = {e.name for e in events if e.device_type != DeviceType.CUDA}
+    return [e for e in events if e.device_type == DeviceType.CUDA and e.name not in cpu_names
+            and not e.name.startswith("ProfilerStep")]
+
+
 def _profile_gpu(step, batches, n: int) -> dict:
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -581,13 +591,7 @@ def _profile_gpu(step, batches, n: int) -> dict:
         torch.cuda.synchronize()
     by_name: dict[str, list] = {}
     total = 0.0
-    events = prof.events()
-    # record_function ranges (e.g. 'Optimizer.step#AdamW.step') also appear as GPU-side user
-    # annotations spanning their kernels: count kernels, memcpy and memset only.
-    cpu_names = {e.name for e in events if e.device_type != DeviceType.CUDA}
-    for e in events:
-        if e.device_type != DeviceType.CUDA or e.name in cpu_names or e.name.startswith("ProfilerStep"):
-            continue
+    for e in gpu_activity(prof.events()):
         us = e.time_range.elapsed_us()
         total += us
         s = by_name.setdefault(e.name, [0.0, 0])
