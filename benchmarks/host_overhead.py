@@ -1,12 +1,18 @@
-"""Host (Python) cost of FORGE's fused-linear path per layer, with the Triton kernel stubbed out.
+"""Host (Python) cost of FORGE's fused-linear path per layer.
 
     python3 benchmarks/host_overhead.py [--layers 32] [--dim 64] [--steps 50]
+    python3 benchmarks/host_overhead.py --cuda [--out FILE]      (on the device)
 
-Runs on any machine (CPU tensors, TRITON_INTERPRET=1 so the Triton backend's host path is taken,
-the kernel launch itself replaced by a no-op). Compares one training step of a stack of tiny
-linears (compute negligible) under forge_optim.AdamW(backend="triton"), under nn.Linear + torch
+CPU mode runs on any machine (CPU tensors, TRITON_INTERPRET=1 so the Triton backend's host path is
+taken, the kernel launch itself replaced by a no-op). It compares one training step of a stack of
+tiny linears (compute negligible) under forge_optim.AdamW(backend="triton"), under nn.Linear + torch
 AdamW (foreach), and a bare Python autograd.Function linear: what forge adds per layer on the host,
-before Triton's own launcher, which this cannot measure. Writes benchmarks/results/host-<date>.json.
+before Triton's own launcher, which it cannot measure. Writes benchmarks/results/host-<date>.json.
+
+--cuda runs the same stacks on the GPU with real launches (the GPU work is a few us per layer, so
+the step's wall time is the host's): forge with the direct launch and with Triton's own launch path
+(FORGE_FAST_LAUNCH's switch, same process), torch fused and foreach AdamW, no optimizer; and one
+fused-kernel launch alone, both ways.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"
+if "--cuda" not in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
@@ -54,12 +61,118 @@ def per_layer_us(step, layers, steps):
     return (time.perf_counter() - t) / steps / layers * 1e6
 
 
+def cuda_main(a):
+    from forge_optim.kernels import launch as L
+    from forge_optim.backends.triton_backend import TritonBackend, launch_kwargs  # noqa: F401
+
+    dev = "cuda"
+    # one fixed config (the small-BT winner): tuning would compile a dozen variants for nothing here
+    os.environ.setdefault("FORGE_TRITON_CONFIG", L.SMALL_BT_CONFIGS[-2].env())
+    torch.manual_seed(0)
+    x = torch.randn(a.bt, a.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def stack():
+        return torch.nn.Sequential(*[torch.nn.Linear(a.dim, a.dim, bias=False) for _ in range(a.layers)]).to(
+            dev, torch.bfloat16)
+
+    def timed(step):
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(3):  # best of 3 runs of `steps` steps: the host is shared, noise is one-sided
+            t = time.perf_counter()
+            for _ in range(a.steps):
+                step()
+            torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t) / a.steps / a.layers * 1e6)
+        return best
+
+    res = {}
+    model = stack()
+    opt = forge_optim.AdamW(model, lr=1e-3, backend="triton", state_dtype="bf16")
+
+    def forge_step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for fast in (False, True):
+        L.FAST_LAUNCH = fast
+        res[f"forge_bf16_{'direct' if fast else 'triton_run'}_us_per_layer"] = timed(forge_step)
+    for name, kw in (("torch_fused_adamw", dict(fused=True)), ("torch_foreach_adamw", dict(foreach=True)),
+                     ("none", None)):
+        ref = stack()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, **kw) if kw else None
+
+        def ref_step():
+            ref(x).sum().backward()
+            if ref_opt is not None:
+                ref_opt.step()
+                ref_opt.zero_grad()
+            else:
+                ref.zero_grad()
+
+        res[f"{name}_us_per_layer"] = timed(ref_step)
+
+    # one launch of the fused kernel alone (bf16 W, m, v; BT=16), both ways
+    from forge_optim.backends.base import StateView, UpdateJob
+    from forge_optim.rules import RULES
+
+    rule = RULES["AdamW"]
+    specs = rule.state_specs(rule.defaults)
+    w = torch.zeros(a.dim, a.dim, device=dev, dtype=torch.bfloat16)
+    job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(rule.defaults, {}, 1)),
+                    states=[StateView(sp, torch.zeros_like(w)) for sp in specs], stochastic_weight=True,
+                    stochastic_state=True, nonfinite=torch.zeros((), dtype=torch.int64, device=dev))
+    dy = torch.zeros(a.bt, a.dim, device=dev, dtype=torch.bfloat16)
+    kwargs = launch_kwargs(job, dy, dy)
+    cfg = L.ELEMENTWISE_CONFIGS[0]
+    for fast in (False, True):
+        L.FAST_LAUNCH = fast
+        for _ in range(20):
+            L.launch(config=cfg, **kwargs)
+        torch.cuda.synchronize()
+        n = 2000
+        t = time.perf_counter()
+        for _ in range(n):
+            L.launch(config=cfg, **kwargs)
+        host = (time.perf_counter() - t) / n * 1e6
+        torch.cuda.synchronize()
+        res[f"launch_{'direct' if fast else 'triton_run'}_us"] = host
+    t = time.perf_counter()
+    for _ in range(2000):
+        torch.add(dy, dy)
+    res["torch_add_dispatch_us"] = (time.perf_counter() - t) / 2000 * 1e6
+    torch.cuda.synchronize()
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--cuda", action="store_true", help="real launches on the GPU (see the docstring)")
+    ap.add_argument("--bt", type=int, default=16, help="--cuda: tokens per step")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-<date>[-cuda].json)")
     a = ap.parse_args()
+    if a.cuda:
+        res = cuda_main(a)
+        import triton
+
+        dev = f"{torch.cuda.get_device_name()} (host: {platform.machine()}, {os.cpu_count()} cores)"
+        out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=dev,
+                   torch=torch.__version__, triton=triton.__version__,
+                   command=" ".join([sys.executable] + sys.argv), layers=a.layers, dim=a.dim, bt=a.bt,
+                   steps=a.steps, **res)
+        for k, v in res.items():
+            print(f"{k:38s} {v:7.1f}")
+        path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
+                                          / f"host-{dt.date.today().isoformat()}-cuda.json")
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}")
+        return
     launch_mod.fused.forge_fused_kernel = _NoLaunch()
     torch.manual_seed(0)
     x = torch.randn(8, a.dim, requires_grad=True)

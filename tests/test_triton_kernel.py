@@ -479,6 +479,26 @@ def test_tma_allocator_set_in_every_launching_thread():
         assert seen.pop("set")
 
 
+def test_direct_launch_key_holds_every_specialization():
+    """The direct-launch cache key separates whatever Triton specializes a kernel on: pointer dtype
+    and 16-byte alignment, an int that is 1, divisible by 16 or beyond int32, and every constexpr."""
+    from forge_optim.kernels.launch import _spec_key
+
+    base = torch.zeros(64, dtype=torch.bfloat16)
+    args = (base[:32], 3, 32, 1.5)
+    meta, opts = ("m", 1), dict(num_warps=4)
+    k = _spec_key(args, meta, opts, 0)
+    assert k == _spec_key((base[16:48], 3, 32, 2.5), meta, opts, 0)  # same classes, other values
+    assert k != _spec_key((base[1:33], 3, 32, 1.5), meta, opts, 0)  # 2-byte offset: unaligned
+    assert k != _spec_key((base.float()[:32], 3, 32, 1.5), meta, opts, 0)  # dtype
+    assert k != _spec_key((base[:32], 1, 32, 1.5), meta, opts, 0)  # == 1
+    assert k != _spec_key((base[:32], 3, 33, 1.5), meta, opts, 0)  # % 16
+    assert k != _spec_key((base[:32], 3, 1 << 33, 1.5), meta, opts, 0)  # int64
+    assert k != _spec_key(args, ("m", 2), opts, 0)  # constexpr
+    assert k != _spec_key(args, meta, dict(num_warps=8), 0)  # launch option
+    assert k != _spec_key(args, meta, opts, 1)  # device
+
+
 def _fixed_backend():
     """One config for the tests that check numerics, not speed (fewer compiles on the device)."""
     from forge_optim.backends.triton_backend import TritonBackend
@@ -710,3 +730,38 @@ def test_gpu_nonfinite_never_written(mode):
         assert torch.isfinite(v.data.float()).all()
     assert torch.equal(job.weight[7], w0[7]) and torch.equal(job.weight[:, 11], w0[:, 11])
     assert not torch.equal(job.weight[8], w0[8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
+def test_gpu_direct_launch_matches_triton_launch(monkeypatch, mode):
+    """The direct launch (cached compiled kernel, Triton's argument specialization skipped) writes
+    the bits of Triton's own launch path over several steps with new keys, coefficients and input
+    pointers, including an unaligned input that must not reuse the aligned kernel."""
+    from forge_optim.kernels import launch as launch_mod
+
+    M, N, BT = 1000, 3008, 515
+    jobs = {}
+    for fast in (False, True):
+        monkeypatch.setattr(launch_mod, "FAST_LAUNCH", fast)
+        launch_mod._DIRECT.clear()
+        job = make_job("AdamW", mode, M, N, device="cuda", seed=5)
+        be = _fixed_backend()
+        for step in range(1, 5):
+            dy, x = _gpu_inputs(BT, M, N, seed=10 + step)
+            if step == 3:  # x at a 2-byte offset: another specialization (no TMA, unaligned)
+                x = torch.cat([x.new_zeros(1), x.reshape(-1)])[1:].view(BT, N)
+            job.coeffs = RULES["AdamW"].padded(RULES["AdamW"].coefficients(dict(RULES["AdamW"].defaults), {}, step))
+            job.key_weight = precision.stream_key(7, 1, step, 0)
+            job.key_states = tuple(precision.stream_key(7, 1, step, 1 + i) for i in range(3))
+            be.update(job, dy, x)
+        torch.cuda.synchronize()
+        jobs[fast] = (job, len(launch_mod._DIRECT))
+    (a, _), (b, entries) = jobs[False], jobs[True]
+    assert entries == 2  # the aligned and the unaligned specialization
+    assert torch.equal(a.weight, b.weight)
+    for va, vb in zip(a.states, b.states):
+        assert torch.equal(va.data, vb.data)
+        if va.quantized:
+            assert torch.equal(va.scale, vb.scale)
+    assert int(a.nonfinite) == int(b.nonfinite) == 0

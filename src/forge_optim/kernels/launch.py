@@ -206,7 +206,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
     if not interp and dy.element_size() == 4 and cfg.BK > 32:
         # fp32 operands: half the K depth keeps the pipelined stages inside shared memory
         cfg = replace(cfg, BK=32)
-    tiles = triton.cdiv(M, cfg.BM) * triton.cdiv(N, cfg.BN)
+    tiles = -(-M // cfg.BM) * -(-N // cfg.BN)  # not triton.cdiv: a constexpr_function, ~20 us per call on the host
     if interp:
         nprogs = max(1, min(tiles, cfg.progs_per_sm))
         use_tma = False
@@ -217,26 +217,78 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             _ensure_allocator()
     accumulate = mode == fused.MODE_ACCUMULATE
     buf = weight if accumulate else grad_buffer
-    c = tuple(float(v) for v in coeffs)
+    c = coeffs
     w_bf16 = weight.dtype == torch.bfloat16
     dot_prec = "ieee" if (dy.dtype == torch.float32 or x.dtype == torch.float32) else "tf32"
-    fused.forge_fused_kernel[(nprogs,)](
-        dy, x, weight, ptrs[0], ptrs[1], ptrs[2], scales[0], scales[1], scales[2],
-        buf if buf is not None else dummy, nonfinite if nonfinite is not None else dummy,
-        BT, M, N, nsb, nprogs,
-        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
-        _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]),
-        UPDATE=rule_update if rule_update is not None else _noop_update(),
-        MODE=mode, HAS_BUF=(grad_buffer is not None and not accumulate),
-        HAS_NF=(nonfinite is not None and not accumulate),
-        W_BF16=w_bf16 and not accumulate, W_SR=bool(stochastic_weight),
-        S0=0 if accumulate else kinds[0], S1=0 if accumulate else kinds[1], S2=0 if accumulate else kinds[2],
-        S_SR=bool(stochastic_state), DOT_PREC=dot_prec, INTERPRET=interp, USE_TMA=use_tma,
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
-        EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten and not interp, PREFETCH=cfg.prefetch and not interp,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interp else {}),
-    )
+    args = (dy, x, weight, ptrs[0], ptrs[1], ptrs[2], scales[0], scales[1], scales[2],
+            buf if buf is not None else dummy, nonfinite if nonfinite is not None else dummy,
+            BT, M, N, nsb, nprogs,
+            float(c[0]), float(c[1]), float(c[2]), float(c[3]), float(c[4]), float(c[5]), float(c[6]),
+            float(c[7]), float(grad_sign),
+            _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]))
+    # the constexprs, in the kernel's signature order (the direct launch below passes them positionally)
+    meta = (rule_update if rule_update is not None else _noop_update(), mode,
+            grad_buffer is not None and not accumulate, nonfinite is not None and not accumulate,
+            w_bf16 and not accumulate, bool(stochastic_weight),
+            0 if accumulate else kinds[0], 0 if accumulate else kinds[1], 0 if accumulate else kinds[2],
+            bool(stochastic_state), dot_prec, interp, use_tma,
+            cfg.BM, cfg.BN, cfg.BK, cfg.group_size, cfg.epi_split, cfg.flatten and not interp,
+            cfg.prefetch and not interp)
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg and not interp:
+        options["maxnreg"] = cfg.maxnreg
+    if interp or not FAST_LAUNCH:
+        fused.forge_fused_kernel[(nprogs,)](*args, *meta, **options)
+        return
+    direct_launch(fused.forge_fused_kernel, nprogs, args, meta, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Direct launch. Triton's JITFunction.run re-derives, on every call, the specialization of all 29
+# runtime arguments (dtype and 16-byte alignment of each pointer, divisibility and range of each
+# int) to find the compiled kernel: ~40 us of host time per launch on the H200's host, ~10 ms per
+# step of an 8B model. Here the compiled kernel is cached under a key that holds *at least* what
+# Triton specializes on (pointer dtype + alignment, for every int whether it is 1, divisible by 16
+# and within int32, every constexpr, the launch options, the device), so a hit always has the same
+# specialization as the call that compiled it; a miss goes through Triton's own path once.
+# FORGE_FAST_LAUNCH=0 turns it off (A/B measurements, or a Triton whose launcher differs).
+FAST_LAUNCH = os.environ.get("FORGE_FAST_LAUNCH", "1") != "0"
+_DIRECT: dict[tuple, object] = {}
+_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _spec_key(args: tuple, meta: tuple, options: dict, device: int) -> tuple:
+    key = [device, tuple(options.items()), meta]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif isinstance(a, int):
+            key.append((a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict):
+    """Launch ``kernel`` on a 1-D grid, skipping Triton's per-call argument specialization when a
+    kernel with the same specialization was compiled before (see the comment above)."""
+    rt = triton.knobs.runtime
+    if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+        return kernel[(grid0,)](*args, *meta, **options)  # profilers (proton) hook the launch: keep it
+    from triton.runtime.driver import driver
+
+    device = driver.active.get_current_device()
+    key = _spec_key(args, meta, options, device)
+    compiled = _DIRECT.get(key)
+    if compiled is None:
+        compiled = kernel[(grid0,)](*args, *meta, **options)
+        if compiled is not None and not hasattr(compiled, "result"):  # not an async-compile future
+            _DIRECT[key] = compiled
+        return compiled
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid0, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *meta)
+    return compiled
 
 
 def _i32(key: int) -> int:
