@@ -100,6 +100,21 @@ def cuda_main(a):
     for fast in (False, True):
         L.FAST_LAUNCH = fast
         res[f"forge_bf16_{'direct' if fast else 'triton_run'}_us_per_layer"] = timed(forge_step)
+    res["direct_launch_cache_entries"] = len(L._DIRECT)
+    if a.profile:  # where forge's host time goes (cProfile inflates it, read the split, not the sum)
+        import cProfile
+        import io
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(a.steps):
+            forge_step()
+        torch.cuda.synchronize()
+        pr.disable()
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+        Path(a.profile).write_text(buf.getvalue())
     for name, kw in (("torch_fused_adamw", dict(fused=True)), ("torch_foreach_adamw", dict(foreach=True)),
                      ("none", None)):
         ref = stack()
@@ -155,6 +170,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cuda", action="store_true", help="real launches on the GPU (see the docstring)")
     ap.add_argument("--bt", type=int, default=16, help="--cuda: tokens per step")
+    ap.add_argument("--profile", default=None, help="--cuda: write a cProfile of forge's steps to this file")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-<date>[-cuda].json)")
     a = ap.parse_args()
     if a.cuda:

@@ -485,18 +485,39 @@ def test_direct_launch_key_holds_every_specialization():
     from forge_optim.kernels.launch import _spec_key
 
     base = torch.zeros(64, dtype=torch.bfloat16)
-    args = (base[:32], 3, 32, 1.5)
-    meta, opts = ("m", 1), dict(num_warps=4)
-    k = _spec_key(args, meta, opts, 0)
-    assert k == _spec_key((base[16:48], 3, 32, 2.5), meta, opts, 0)  # same classes, other values
-    assert k != _spec_key((base[1:33], 3, 32, 1.5), meta, opts, 0)  # 2-byte offset: unaligned
-    assert k != _spec_key((base.float()[:32], 3, 32, 1.5), meta, opts, 0)  # dtype
-    assert k != _spec_key((base[:32], 1, 32, 1.5), meta, opts, 0)  # == 1
-    assert k != _spec_key((base[:32], 3, 33, 1.5), meta, opts, 0)  # % 16
-    assert k != _spec_key((base[:32], 3, 1 << 33, 1.5), meta, opts, 0)  # int64
-    assert k != _spec_key(args, ("m", 2), opts, 0)  # constexpr
-    assert k != _spec_key(args, meta, dict(num_warps=8), 0)  # launch option
-    assert k != _spec_key(args, meta, opts, 1)  # device
+    meta, opts = ("m", 1), (("num_warps", 4),)
+
+    def key(t=base[:32], ints=(3, 32), keys=(5, 7), meta=meta, opts=opts, device=0):
+        return _spec_key((t, base), ints, keys, meta, opts, device)
+
+    k = key()
+    assert k == key(t=base[16:48], ints=(5, 48), keys=(9, 2**31 - 1))  # same classes, other values
+    assert k != key(t=base[1:33])  # 2-byte offset: unaligned
+    assert k != key(t=base.float()[:32])  # dtype
+    assert k != key(ints=(1, 32))  # == 1
+    assert k != key(ints=(3, 33))  # % 16
+    assert k != key(ints=(3, 1 << 33))  # int64
+    assert k != key(keys=(1, 7))  # a key of 1
+    assert k != key(meta=("m", 2))  # constexpr
+    assert k != key(opts=(("num_warps", 8),))  # launch option
+    assert k != key(device=1)  # device
+
+
+def test_direct_launch_taken_without_profiler_hooks():
+    """Triton 3.6 keeps its launch hooks in a HookChain that is never None: an empty chain must not
+    send every launch back through Triton's slow path (it did, unnoticed, in the first version)."""
+    triton = pytest.importorskip("triton")
+    from forge_optim.kernels.launch import _hooked
+
+    rt = triton.knobs.runtime
+    assert not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)
+    hook = lambda *a: None  # noqa: E731
+    rt.launch_enter_hook.add(hook)
+    try:
+        assert _hooked(rt.launch_enter_hook)
+    finally:
+        rt.launch_enter_hook.remove(hook)
+    assert _hooked(hook) and not _hooked(None)
 
 
 def _fixed_backend():

@@ -68,7 +68,10 @@ class FusedLinearFunction(torch.autograd.Function):
         dx = db = None
         if ctx.needs_input_grad[0]:
             # Invariant 1: dX = dY W with the weight as it was before this step's update.
-            dx = (grad_out.to(w.dtype) @ w).to(ctx.x_dtype)
+            g = grad_out if grad_out.dtype == w.dtype else grad_out.to(w.dtype)
+            dx = g @ w
+            if dx.dtype != ctx.x_dtype:
+                dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[2]:
             db = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
         ctx.handle.consume(grad_out, x, ctx.use)

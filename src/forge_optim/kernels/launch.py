@@ -20,6 +20,7 @@ from . import fused
 # Triton keeps its allocator in a ContextVar, i.e. per thread: backward runs on autograd's device
 # threads, so the allocator for TMA descriptors is set once in every thread that launches.
 _ALLOCATOR_SET = threading.local()
+_SCRATCH: dict[tuple, torch.Tensor] = {}
 # TRITON_INTERPRET is read once, like triton.jit itself does when the kernels are decorated.
 _INTERPRET = interpreting()
 
@@ -145,7 +146,14 @@ def state_kind(view) -> int:
 def _ensure_allocator():
     if not getattr(_ALLOCATOR_SET, "done", False):
         def alloc(size: int, alignment: int, stream):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
+            # The kernel writes its TMA descriptors here. One buffer per (device, stream), grown when
+            # needed: launches on one stream run in order, so reuse is safe, and it saves an
+            # allocator call (~15 us of host time) per launch.
+            key = (torch.cuda.current_device(), stream)
+            buf = _SCRATCH.get(key)
+            if buf is None or buf.numel() < size or buf.data_ptr() % alignment:
+                buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+            return buf
 
         triton.set_allocator(alloc)
         _ALLOCATOR_SET.done = True
@@ -257,37 +265,43 @@ _DIRECT: dict[tuple, object] = {}
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 
 
-def _spec_key(args: tuple, meta: tuple, options: dict, device: int) -> tuple:
-    key = [device, tuple(options.items()), meta]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif isinstance(a, int):
-            key.append((a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX))
-        else:
-            key.append(type(a))
-    return tuple(key)
+def _spec_key(ptrs: tuple, ints: tuple, keys: tuple, meta: tuple, options: tuple, device: int) -> tuple:
+    """What Triton may specialize a launch on, for the fused kernel's argument layout: each pointer's
+    dtype and 16-byte alignment; for each size, whether it is 1, divisible by 16, within int32; for
+    each hash key (do_not_specialize, int32 by construction) whether it is 1; every constexpr; the
+    launch options and device. The float coefficients are always fp32 (passed through float())."""
+    aligned = 0
+    for t in ptrs:
+        aligned = (aligned << 1) | (t.data_ptr() & 15 == 0)
+    return (device, options, meta, tuple([t.dtype for t in ptrs]), aligned,
+            tuple([(v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX) for v in ints]),
+            tuple([k == 1 for k in keys]))
 
 
-def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict):
+def _hooked(hook) -> bool:
+    """Triton 3.6 keeps launch hooks in a HookChain that is never None: empty means no hook."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict, n_ptrs: int = 11, n_ints: int = 5,
+                  n_floats: int = 9):
     """Launch ``kernel`` on a 1-D grid, skipping Triton's per-call argument specialization when a
-    kernel with the same specialization was compiled before (see the comment above)."""
+    kernel with the same specialization was compiled before (see the comment above). ``args`` is
+    laid out as the fused kernel's: pointers, sizes, float coefficients, then int32 hash keys."""
     rt = triton.knobs.runtime
-    if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
         return kernel[(grid0,)](*args, *meta, **options)  # profilers (proton) hook the launch: keep it
-    from triton.runtime.driver import driver
-
-    device = driver.active.get_current_device()
-    key = _spec_key(args, meta, options, device)
+    device = torch.cuda.current_device()
+    key = _spec_key(args[:n_ptrs], args[n_ptrs:n_ptrs + n_ints], args[n_ptrs + n_ints + n_floats:], meta,
+                    tuple(options.items()), device)
     compiled = _DIRECT.get(key)
     if compiled is None:
         compiled = kernel[(grid0,)](*args, *meta, **options)
         if compiled is not None and not hasattr(compiled, "result"):  # not an async-compile future
             _DIRECT[key] = compiled
         return compiled
-    stream = driver.active.get_current_stream(device)
-    compiled.run(grid0, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                 *args, *meta)
+    compiled.run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *meta)
     return compiled
 
 
