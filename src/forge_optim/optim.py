@@ -337,8 +337,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             state[spec.name] = dtensor.like(p, value.float().reshape(lp.shape).contiguous())
 
     def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict, idx: int) -> UpdateJob:
-        state["step"] += 1
-        step = int(state["step"].item())
+        step_t = state["step"]
+        step = int(step_t.item()) + 1
+        step_t.fill_(step)  # not `+= 1`: 1 us against 4 us of host time for a CPU scalar
         coeffs = self.rule.padded(self.rule.coefficients(group, state, step))
         base_key = precision.step_key(self.seed, idx, step)
         views, keys = [], []
