@@ -156,6 +156,53 @@ def compare(job, ref, mode, what):
         assert int(job.nonfinite) == int(ref.nonfinite)
 
 
+def prepared_vs_full(monkeypatch, state_dtype, device):
+    """Train twice, with and without the prepared launch plans: the bits must be equal."""
+
+    import forge_optim
+    from forge_optim import optim as optim_mod
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(48, 40, bias=False), torch.nn.Tanh(),
+                                   torch.nn.Linear(40, 24, bias=False)).to(device, torch.bfloat16)
+
+    if device == "cuda":  # one config: tuning would compile a dozen variants for a 40x48 weight
+        from forge_optim.kernels.launch import GPU_TEST_CONFIG
+
+        monkeypatch.setenv("FORGE_TRITON_CONFIG", GPU_TEST_CONFIG.env())
+    results, fast_updates = [], []
+    for use_plan in (True, False):
+        if not use_plan:
+            monkeypatch.setattr(optim_mod._FastPath, "make", classmethod(lambda cls, *a: None))
+        model = build()
+        opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend="triton", state_dtype=state_dtype)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        runs = 0
+        for step in range(6):
+            x = torch.randn(5, 48, generator=torch.Generator().manual_seed(step)).to(device, torch.bfloat16)
+            if step == 3:
+                opt.param_groups[0]["maximize"] = True
+            if step == 4:  # round trip: new state tensors, the plan must not write the old ones
+                opt.load_state_dict(opt.state_dict())
+            h = opt._handles["2"]
+            valid = h.fast is not None and h.fast.valid(opt, h.param, opt.param_groups[0],
+                                                        torch.empty(5, 24, dtype=torch.bfloat16, device=device),
+                                                        torch.empty(5, 40, dtype=torch.bfloat16, device=device))
+            runs += valid
+            model(x).float().square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        fast_updates.append(runs)
+        results.append([t.detach().clone() for t in model.parameters()]
+                       + [v.clone() for st in opt.state.values() for v in st.values()
+                          if isinstance(v, torch.Tensor) and v.dim() > 0])
+    assert fast_updates[0] == 4 and fast_updates[1] == 0, fast_updates  # steps 1-3 and 5
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 # ======================================================================================= CPU
 if not INTERP:
 
@@ -379,6 +426,13 @@ if INTERP:
                 o.zero_grad()
         for p, q in zip(model.parameters(), ref_model.parameters()):
             assert ((p - q).abs().max() / q.abs().max()).item() <= 1e-5
+
+    @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+    def test_prepared_launch_matches_full_path(monkeypatch, state_dtype):
+        """From the second update on, a fused weight is updated through its prepared launch plan
+        (optim._FastPath): the same bits as the full path (job, checks, tuner, argument packing) every
+        step, through an LR change, a maximize flip and a load_state_dict (which must invalidate it)."""
+        prepared_vs_full(monkeypatch, state_dtype, "cpu")
 
     def test_sparse_embedding_through_the_kernel():
         """An embedding's row-sparse gradient, densified chunk by chunk into the BT=0 launch, equals
@@ -786,3 +840,11 @@ def test_gpu_direct_launch_matches_triton_launch(monkeypatch, mode):
         if va.quantized:
             assert torch.equal(va.scale, vb.scale)
     assert int(a.nonfinite) == int(b.nonfinite) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_gpu_prepared_launch_matches_full_path(monkeypatch, state_dtype):
+    """The prepared launch plans relaunch the compiled kernel directly on the GPU: same bits as the
+    full path (see test_prepared_launch_matches_full_path)."""
+    prepared_vs_full(monkeypatch, state_dtype, "cuda")

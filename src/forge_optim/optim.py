@@ -53,6 +53,7 @@ class FusedWeight:
         self.pending_traced = 0  # uses by the compiled form (no Use object: reset by opt.step())
         self.buffer: torch.Tensor | None = None  # fp32 gradient summed over uses / micro-steps
         self.attached = True
+        self.fast: _FastPath | None = None  # the prepared launch of the last update (optimizer-owned)
         self.id = register_handle(self)  # how the compiled form's custom ops find this handle
 
     # A copied or pickled model carries no link to this optimizer: its module runs unfused.
@@ -121,6 +122,47 @@ class FusedWeight:
             opt._backend_for(self.param).accumulate(self.buffer, dy, x)
             return
         opt._fused_update(self, dy, x)
+
+
+class _FastPath:
+    """A fused weight's prepared update (backend plan) and the tensors it was prepared for. Valid while
+    the weight's storage, its state tensors, the group's state layout, the rounding mode, the backend
+    and the input shapes are unchanged; anything else (load_state_dict, a new param group, p.data
+    replaced, nonfinite='raise', accumulation, DTensors) takes the full path, which re-prepares."""
+
+    __slots__ = ("state", "specs", "tensors", "wptr", "stochastic", "backend", "plan")
+
+    @classmethod
+    def make(cls, opt, backend, p, group, state, job, dy, x):
+        make_plan = getattr(backend, "plan", None)
+        if (make_plan is None or opt.nonfinite_mode != "skip" or opt._accumulating or job.grad_buffer is not None
+                or dtensor.is_dtensor(p) or dtensor.is_dtensor(dy)):
+            return None
+        plan = make_plan(job, dy, x)
+        if plan is None:
+            return None
+        self = cls()
+        self.state, self.specs, self.plan, self.backend = state, job_specs(job), plan, backend
+        names = [sp.name for sp in self.specs] + [sp.name + "_scale" for sp in self.specs
+                                                  if sp.name + "_scale" in state] + ["_nonfinite"]
+        self.tensors = tuple((n, state[n]) for n in names)
+        self.wptr, self.stochastic = p.data_ptr(), opt.stochastic_rounding
+        return self
+
+    def valid(self, opt, p, group, dy, x) -> bool:
+        state = self.state
+        if opt.state.get(p) is not state or tuple(opt.rule.state_specs(group)) != self.specs:
+            return False
+        for name, t in self.tensors:
+            if state.get(name) is not t:
+                return False
+        return (p.data_ptr() == self.wptr and opt.stochastic_rounding == self.stochastic
+                and opt.nonfinite_mode == "skip" and not opt._accumulating
+                and opt._backends.get(p.device) is self.backend and self.plan.matches(dy, x))
+
+
+def job_specs(job: UpdateJob) -> tuple:
+    return tuple(v.spec for v in job.states)
 
 
 class ForgeOptimizer(torch.optim.Optimizer):
@@ -336,24 +378,29 @@ class ForgeOptimizer(torch.optim.Optimizer):
         else:
             state[spec.name] = dtensor.like(p, value.float().reshape(lp.shape).contiguous())
 
-    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict, idx: int) -> UpdateJob:
+    def _step_scalars(self, group: dict, state: dict, idx: int, specs) -> tuple:
+        """Advance the step; this step's coefficients, weight key and state keys (one per spec)."""
         step_t = state["step"]
         step = int(step_t.item()) + 1
         step_t.fill_(step)  # not `+= 1`: 1 us against 4 us of host time for a CPU scalar
         coeffs = self.rule.padded(self.rule.coefficients(group, state, step))
         base_key = precision.step_key(self.seed, idx, step)
-        views, keys = [], []
-        for spec in self.rule.state_specs(group):
+        keys = tuple(precision.site_key(base_key, precision.SITE_STATE0 + spec.slot) for spec in specs)
+        return coeffs, precision.site_key(base_key, precision.SITE_WEIGHT), keys
+
+    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict, idx: int) -> UpdateJob:
+        specs = self.rule.state_specs(group)
+        coeffs, key_weight, keys = self._step_scalars(group, state, idx, specs)
+        views = []
+        for spec in specs:
             data = dtensor.local(state[spec.name])
             scale = state.get(spec.name + "_scale") if data.dtype in (torch.int8, torch.uint8) else None
             views.append(StateView(spec, _as_2d(data), None if scale is None else dtensor.local(scale)))
-            keys.append(precision.site_key(base_key, precision.SITE_STATE0 + spec.slot))
         return UpdateJob(
             weight=weight2d, rule=self.rule, coeffs=coeffs, states=views,
             grad_sign=-1.0 if group.get("maximize", False) else 1.0,
             stochastic_weight=self.stochastic_rounding, stochastic_state=self.stochastic_rounding,
-            key_weight=precision.site_key(base_key, precision.SITE_WEIGHT),
-            key_states=tuple(keys), nonfinite=state["_nonfinite"])
+            key_weight=key_weight, key_states=keys, nonfinite=state["_nonfinite"])
 
     # ----- updates ------------------------------------------------------------------------------
     def _fused_update(self, handle: FusedWeight, dy: torch.Tensor, x: torch.Tensor) -> None:
@@ -361,11 +408,19 @@ class ForgeOptimizer(torch.optim.Optimizer):
         p = handle.param
         gi, idx = self._locate(p)
         group = self.param_groups[gi]
+        fast = handle.fast
+        if fast is not None and handle.buffer is None and fast.valid(self, p, group, dy, x):
+            coeffs, key_weight, keys = self._step_scalars(group, fast.state, idx, fast.specs)
+            fast.plan.run(dy, x, coeffs, -1.0 if group.get("maximize", False) else 1.0, key_weight, keys)
+            torch.autograd.graph.increment_version(p)
+            return
         state = self._init_state(p, group)
         job = self._job(p, dtensor.local(p.detach()), group, state, idx)
         job.grad_buffer, handle.buffer = handle.buffer, None
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
-        self._backend_for(p).update(job, dy, x)
+        backend = self._backend_for(p)
+        backend.update(job, dy, x)
+        handle.fast = _FastPath.make(self, backend, p, group, state, job, dy, x)
         # Triton stores do not bump the version counter: make any stale use of the old W raise.
         torch.autograd.graph.increment_version(p)
         if self.nonfinite_mode == "raise":

@@ -247,8 +247,17 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         options["maxnreg"] = cfg.maxnreg
     if interp or not FAST_LAUNCH:
         fused.forge_fused_kernel[(nprogs,)](*args, *meta, **options)
-        return
-    direct_launch(fused.forge_fused_kernel, nprogs, args, meta, options)
+        return None
+    compiled = direct_launch(fused.forge_fused_kernel, nprogs, args, meta, options)
+    return Launched(compiled, nprogs, args, meta)
+
+
+class Launched(tuple):
+    """What ``launch`` ran, for a caller that re-launches it with new dY, X, coefficients, keys."""
+    __slots__ = ()
+
+    def __new__(cls, compiled, nprogs, args, meta):
+        return super().__new__(cls, (compiled, nprogs, args, meta))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +312,22 @@ def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict, n
     compiled.run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *meta)
     return compiled
+
+
+# Argument positions in the fused kernel's signature (see fused.forge_fused_kernel).
+ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 16, 24, 25
+
+
+def relaunch(compiled, nprogs: int, args: list, meta: tuple, device: int) -> None:
+    """Launch an already compiled kernel with ``args`` (same specialization as when it was compiled:
+    the caller guarantees it). No argument inspection at all."""
+    compiled.run(nprogs, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *meta)
+
+
+def hooks_active() -> bool:
+    rt = triton.knobs.runtime
+    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook)
 
 
 def _i32(key: int) -> int:
