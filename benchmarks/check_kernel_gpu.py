@@ -6,7 +6,8 @@ and tests/test_gpu_end_to_end.py (the optimizer, eager and compiled, against tor
 First compiles the kernel variants those tests and bench_kernel.py use, in parallel processes
 (Triton's on-disk cache then serves them), then runs the GPU tests with pytest (or, where pytest
 is not installed, with a minimal built-in runner). The log goes to $OUT/gpu_tests.log when $OUT is
-set, else to benchmarks/results/gpu_tests-<date>.log.
+set, else to benchmarks/results/gpu_tests-<date>.log. GPU_TESTS_K=EXPR passes ``-k EXPR`` to pytest
+(a shorter run when device time is short).
 """
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ def main():
 
         env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider",
-                                 "--durations=0", str(REPO / "tests" / "test_triton_kernel.py"),
+                                 "--durations=0", *(["-k", os.environ["GPU_TESTS_K"]] if os.environ.get("GPU_TESTS_K") else []),
+                                 str(REPO / "tests" / "test_triton_kernel.py"),
                                  str(REPO / "tests" / "test_gpu_end_to_end.py")], cwd=str(REPO),
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:  # streamed, so a run cut short still leaves its log
