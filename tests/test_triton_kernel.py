@@ -434,6 +434,60 @@ if INTERP:
         step, through an LR change, a maximize flip and a load_state_dict (which must invalidate it)."""
         prepared_vs_full(monkeypatch, state_dtype, "cpu")
 
+    def test_plan_relaunch_passes_what_launch_would(monkeypatch):
+        """LaunchPlan's relaunch (GPU only) patches dY, X, coefficients, sign and keys into the
+        arguments of its first launch: they must be exactly what a fresh launch() would pass. Run on
+        the CPU with the GPU launch calls recorded instead of executed."""
+        from forge_optim.backends import triton_backend as tb
+        from forge_optim.kernels import launch as L
+
+        job = make_job("AdamW", "bf16-sr", M0, N0)
+        be = TritonBackend()
+        dy0, x0 = exact_inputs(BT0, M0, N0)
+        plan = be.plan(job, dy0, x0)
+        assert plan is not None
+        calls = []
+        compiled = object()
+
+        def fake_direct(kernel, grid0, args, meta, options, **kw):
+            calls.append((grid0, list(args), meta))
+            return compiled
+
+        monkeypatch.setattr(L, "_INTERPRET", False)
+        monkeypatch.setattr(tb, "_INTERPRET", False)
+        monkeypatch.setattr(L, "FAST_LAUNCH", True)
+        monkeypatch.setattr(L, "direct_launch", fake_direct)
+        monkeypatch.setattr(L, "hooks_active", lambda: False)
+        monkeypatch.setattr(L, "_sm_count", lambda device: 4)
+        monkeypatch.setattr(L, "_tma_ok", lambda dy, x: False)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(L, "relaunch", lambda c, nprogs, args, meta, device: calls.append((nprogs, list(args), meta)))
+
+        def step_args(step):
+            rule = RULES["AdamW"]
+            coeffs = rule.padded(rule.coefficients(dict(rule.defaults), {}, step))
+            return coeffs, precision.stream_key(7, 1, step, 0), tuple(precision.stream_key(7, 1, step, 1 + i)
+                                                                       for i in range(2))
+
+        dy1, x1 = exact_inputs(BT0, M0, N0)
+        c, kw, ks = step_args(1)
+        plan.run(dy0, x0, c, 1.0, kw, ks)  # first: through launch(), recorded by fake_direct
+        c, kw, ks = step_args(2)
+        plan.run(dy1, x1, c, -1.0, kw, ks)  # second: the relaunch
+        assert len(calls) == 2 and len(plan.by_class) == 1
+        L.launch(config=plan.cfg, **dict(plan.kwargs, dy=dy1, x=x1, coeffs=c, grad_sign=-1.0, key_weight=kw,
+                                         key_states=ks + (0,)))
+        (n_re, re_args, re_meta), (n_ref, ref_args, ref_meta) = calls[1], calls[2]
+        assert n_re == n_ref and re_meta == ref_meta and len(re_args) == len(ref_args)
+        for i, (a, b) in enumerate(zip(re_args, ref_args)):
+            if isinstance(b, torch.Tensor):
+                assert a is b, i
+            else:
+                assert type(a) is type(b) and a == b, (i, a, b)
+        names = L.fused.forge_fused_kernel.arg_names
+        assert (names[L.ARG_DY], names[L.ARG_X], names[L.ARG_COEFFS], names[L.ARG_GRAD_SIGN], names[L.ARG_KEYS]) \
+            == ("dy_ptr", "x_ptr", "c0", "grad_sign", "key_w")
+
     def test_sparse_embedding_through_the_kernel():
         """An embedding's row-sparse gradient, densified chunk by chunk into the BT=0 launch, equals
         torch.optim.AdamW on the dense gradient."""
