@@ -309,8 +309,7 @@ def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict, n
         if compiled is not None and not hasattr(compiled, "result"):  # not an async-compile future
             _DIRECT[key] = compiled
         return compiled
-    compiled.run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *meta)
+    relaunch(compiled, grid0, args, meta, device)
     return compiled
 
 
@@ -318,7 +317,7 @@ def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict, n
 ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 16, 24, 25
 
 
-def relaunch(compiled, nprogs: int, args: list, meta: tuple, device: int) -> None:
+def relaunch(compiled, nprogs: int, args, meta: tuple, device: int) -> None:
     """Launch an already compiled kernel with ``args`` (same specialization as when it was compiled:
     the caller guarantees it). No argument inspection at all."""
     compiled.run(nprogs, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
