@@ -52,6 +52,22 @@ class _PyLinear(torch.autograd.Function):
         return gy @ w, None
 
 
+def linear_stack(layers: int, dim: int, device="cpu", dtype=torch.float32) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False) for _ in range(layers)]).to(device, dtype)
+
+
+def train_step(model, x, opt=None):
+    """One forward+backward(+step) of ``model`` on ``x``; without ``opt`` only the gradients are cleared."""
+    def step():
+        model(x).sum().backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        else:
+            model.zero_grad()
+    return step
+
+
 def per_layer_us(step, layers, steps):
     for _ in range(3):
         step()
@@ -71,10 +87,6 @@ def cuda_main(a):
     torch.manual_seed(0)
     x = torch.randn(a.bt, a.dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
-    def stack():
-        return torch.nn.Sequential(*[torch.nn.Linear(a.dim, a.dim, bias=False) for _ in range(a.layers)]).to(
-            dev, torch.bfloat16)
-
     def timed(step):
         for _ in range(5):
             step()
@@ -89,14 +101,8 @@ def cuda_main(a):
         return best
 
     res = {}
-    model = stack()
-    opt = forge_optim.AdamW(model, lr=1e-3, backend="triton", state_dtype="bf16")
-
-    def forge_step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
+    model = linear_stack(a.layers, a.dim, dev, torch.bfloat16)
+    forge_step = train_step(model, x, forge_optim.AdamW(model, lr=1e-3, backend="triton", state_dtype="bf16"))
     for fast in (False, True):
         L.FAST_LAUNCH = fast
         res[f"forge_bf16_{'direct' if fast else 'triton_run'}_us_per_layer"] = timed(forge_step)
@@ -117,18 +123,9 @@ def cuda_main(a):
         Path(a.profile).write_text(buf.getvalue())
     for name, kw in (("torch_fused_adamw", dict(fused=True)), ("torch_foreach_adamw", dict(foreach=True)),
                      ("none", None)):
-        ref = stack()
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, **kw) if kw else None
-
-        def ref_step():
-            ref(x).sum().backward()
-            if ref_opt is not None:
-                ref_opt.step()
-                ref_opt.zero_grad()
-            else:
-                ref.zero_grad()
-
-        res[f"{name}_us_per_layer"] = timed(ref_step)
+        ref = linear_stack(a.layers, a.dim, dev, torch.bfloat16)
+        res[f"{name}_us_per_layer"] = timed(
+            train_step(ref, x, torch.optim.AdamW(ref.parameters(), lr=1e-3, **kw) if kw else None))
 
     # one launch of the fused kernel alone (bf16 W, m, v; BT=16), both ways
     from forge_optim.backends.base import StateView, UpdateJob
@@ -193,24 +190,10 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(8, a.dim, requires_grad=True)
 
-    def stack():
-        return torch.nn.Sequential(*[torch.nn.Linear(a.dim, a.dim, bias=False) for _ in range(a.layers)])
-
-    model = stack()
-    opt = forge_optim.AdamW(model, lr=1e-3, backend="triton", state_dtype="bf16")
-
-    def forge_step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad()
-
-    ref = stack()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
-
-    def torch_step():
-        ref(x).sum().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    model = linear_stack(a.layers, a.dim)
+    forge_step = train_step(model, x, forge_optim.AdamW(model, lr=1e-3, backend="triton", state_dtype="bf16"))
+    ref = linear_stack(a.layers, a.dim)
+    torch_step = train_step(ref, x, torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True))
 
     ws = [torch.nn.Parameter(torch.randn(a.dim, a.dim)) for _ in range(a.layers)]
 

@@ -128,21 +128,22 @@ class _FastPath:
     """A fused weight's prepared update (backend plan) and the tensors it was prepared for. Valid while
     the weight's storage, its state tensors, the group's state layout, the rounding mode, the backend
     and the input shapes are unchanged; anything else (load_state_dict, a new param group, p.data
-    replaced, nonfinite='raise', accumulation, DTensors) takes the full path, which re-prepares."""
+    replaced, nonfinite='raise', DTensors) takes the full path, which re-prepares; accumulation
+    never reaches it (consume() buffers those gradients)."""
 
     __slots__ = ("state", "specs", "tensors", "wptr", "stochastic", "backend", "plan")
 
     @classmethod
     def make(cls, opt, backend, p, group, state, job, dy, x):
         make_plan = getattr(backend, "plan", None)
-        if (make_plan is None or opt.nonfinite_mode != "skip" or opt._accumulating or job.grad_buffer is not None
+        if (make_plan is None or opt.nonfinite_mode != "skip" or job.grad_buffer is not None
                 or dtensor.is_dtensor(p) or dtensor.is_dtensor(dy)):
             return None
         plan = make_plan(job, dy, x)
         if plan is None:
             return None
         self = cls()
-        self.state, self.specs, self.plan, self.backend = state, job_specs(job), plan, backend
+        self.state, self.specs, self.plan, self.backend = state, tuple(v.spec for v in job.states), plan, backend
         names = [sp.name for sp in self.specs] + [sp.name + "_scale" for sp in self.specs
                                                   if sp.name + "_scale" in state] + ["_nonfinite"]
         self.tensors = tuple((n, state[n]) for n in names)
@@ -157,12 +158,7 @@ class _FastPath:
             if state.get(name) is not t:
                 return False
         return (p.data_ptr() == self.wptr and opt.stochastic_rounding == self.stochastic
-                and opt.nonfinite_mode == "skip" and not opt._accumulating
-                and opt._backends.get(p.device) is self.backend and self.plan.matches(dy, x))
-
-
-def job_specs(job: UpdateJob) -> tuple:
-    return tuple(v.spec for v in job.states)
+                and opt.nonfinite_mode == "skip" and opt._backends.get(p.device) is self.backend and self.plan.matches(dy, x))
 
 
 class ForgeOptimizer(torch.optim.Optimizer):

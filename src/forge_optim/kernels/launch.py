@@ -225,14 +225,13 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             _ensure_allocator()
     accumulate = mode == fused.MODE_ACCUMULATE
     buf = weight if accumulate else grad_buffer
-    c = coeffs
     w_bf16 = weight.dtype == torch.bfloat16
     dot_prec = "ieee" if (dy.dtype == torch.float32 or x.dtype == torch.float32) else "tf32"
     args = (dy, x, weight, ptrs[0], ptrs[1], ptrs[2], scales[0], scales[1], scales[2],
             buf if buf is not None else dummy, nonfinite if nonfinite is not None else dummy,
             BT, M, N, nsb, nprogs,
-            float(c[0]), float(c[1]), float(c[2]), float(c[3]), float(c[4]), float(c[5]), float(c[6]),
-            float(c[7]), float(grad_sign),
+            float(coeffs[0]), float(coeffs[1]), float(coeffs[2]), float(coeffs[3]), float(coeffs[4]),
+            float(coeffs[5]), float(coeffs[6]), float(coeffs[7]), float(grad_sign),
             _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]))
     # the constexprs, in the kernel's signature order (the direct launch below passes them positionally)
     meta = (rule_update if rule_update is not None else _noop_update(), mode,
@@ -248,16 +247,8 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
     if interp or not FAST_LAUNCH:
         fused.forge_fused_kernel[(nprogs,)](*args, *meta, **options)
         return None
-    compiled = direct_launch(fused.forge_fused_kernel, nprogs, args, meta, options)
-    return Launched(compiled, nprogs, args, meta)
-
-
-class Launched(tuple):
-    """What ``launch`` ran, for a caller that re-launches it with new dY, X, coefficients, keys."""
-    __slots__ = ()
-
-    def __new__(cls, compiled, nprogs, args, meta):
-        return super().__new__(cls, (compiled, nprogs, args, meta))
+    # what ran, for a caller that re-launches it with new dY, X, coefficients and keys (LaunchPlan)
+    return direct_launch(fused.forge_fused_kernel, nprogs, args, meta, options), nprogs, args, meta
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,8 +288,7 @@ def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict, n
     """Launch ``kernel`` on a 1-D grid, skipping Triton's per-call argument specialization when a
     kernel with the same specialization was compiled before (see the comment above). ``args`` is
     laid out as the fused kernel's: pointers, sizes, float coefficients, then int32 hash keys."""
-    rt = triton.knobs.runtime
-    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+    if hooks_active():
         return kernel[(grid0,)](*args, *meta, **options)  # profilers (proton) hook the launch: keep it
     device = torch.cuda.current_device()
     key = _spec_key(args[:n_ptrs], args[n_ptrs:n_ptrs + n_ints], args[n_ptrs + n_ints + n_floats:], meta,
