@@ -114,18 +114,34 @@ def _fused_linear_fake(x, weight, bias, weight_alias, handle_id):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("forge_optim::fused_linear_backward", mutates_args=("weight_alias",))
+# The backward op needs no autograd formula, so it is defined at the dispatcher's level rather than
+# with custom_op: a call then runs this one Python function, not custom_op's four Python wrappers
+# (autograd, inplace-or-view, backend, default filling: ~25 us per fused linear per step).
+_LIB = torch.library.Library("forge_optim", "FRAGMENT")
+_LIB.define("fused_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor(a!) weight_alias, "
+            "int handle_id, bool needs_dx) -> Tensor")
+
+
 def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              weight_alias: torch.Tensor, handle_id: int, needs_dx: bool) -> torch.Tensor:
     """dX = dY W with the old W, then the fused update of ``weight_alias`` (the parameter's storage)."""
-    dx = (grad_out.to(weight.dtype) @ weight).to(x.dtype) if needs_dx else x.new_empty(0)
+    if needs_dx:
+        g = grad_out if grad_out.dtype == weight.dtype else grad_out.to(weight.dtype)
+        dx = g @ weight
+        if dx.dtype != x.dtype:
+            dx = dx.to(x.dtype)
+    else:
+        dx = x.new_empty(0)
     h = _handle(handle_id)
     h.release_one()
     h.consume(grad_out, x, None)
     return dx
 
 
-@fused_linear_backward_op.register_fake
+_LIB.impl("fused_linear_backward", fused_linear_backward_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge_optim::fused_linear_backward")
 def _fused_linear_backward_fake(grad_out, x, weight, weight_alias, handle_id, needs_dx):
     return x.new_empty(x.shape) if needs_dx else x.new_empty(0)
 
