@@ -102,18 +102,6 @@ def _handle(hid: int):
     return h
 
 
-@torch.library.custom_op("forge_optim::fused_linear", mutates_args=())
-def fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_alias: torch.Tensor,
-                    handle_id: int) -> torch.Tensor:
-    _handle(handle_id).count_use()
-    return F.linear(x, weight, bias)
-
-
-@fused_linear_op.register_fake
-def _fused_linear_fake(x, weight, bias, weight_alias, handle_id):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
 # The backward op needs no autograd formula, so it is defined at the dispatcher's level rather than
 # with custom_op: a call then runs this one Python function, not custom_op's four Python wrappers
 # (autograd, inplace-or-view, backend, default filling: ~25 us per fused linear per step).
@@ -146,24 +134,59 @@ def _fused_linear_backward_fake(grad_out, x, weight, weight_alias, handle_id, ne
     return x.new_empty(x.shape) if needs_dx else x.new_empty(0)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, weight_alias, handle_id = inputs
-    ctx.save_for_backward(x, weight, weight_alias)
-    ctx.handle_id = handle_id
-    ctx.has_bias = bias is not None
+# The forward op: the same low-level definition, with its own Autograd kernel. custom_op's would wrap
+# every call of the compiled graph (which runs without grad) in four Python frames; this one is one
+# frame plus the implementation's when no gradient is needed, and the autograd.Function below when one
+# is (AOTAutograd's trace, which records the backward op from it).
+_LIB.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor weight_alias, int handle_id) -> Tensor")
 
 
-def _backward(ctx, grad_out):
-    x, weight, weight_alias = ctx.saved_tensors
-    needs_dx = ctx.needs_input_grad[0]
-    dx = torch.ops.forge_optim.fused_linear_backward(grad_out, x, weight, weight_alias, ctx.handle_id, needs_dx)
-    db = None
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = grad_out.reshape(-1, weight.shape[0]).sum(0)
-    return (dx if needs_dx else None), None, db, None, None
+def fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_alias: torch.Tensor,
+                    handle_id: int) -> torch.Tensor:
+    _handle(handle_id).count_use()
+    return F.linear(x, weight, bias)
 
 
-fused_linear_op.register_autograd(_backward, setup_context=_setup_context)
+_LIB.impl("fused_linear", fused_linear_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge_optim::fused_linear")
+def _fused_linear_fake(x, weight, bias, weight_alias, handle_id):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class _TracedLinearGrad(torch.autograd.Function):
+    """The autograd formula of ``forge_optim::fused_linear``: backward is the mutating backward op."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, weight_alias, handle_id):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)
+        ctx.save_for_backward(x, weight, weight_alias)
+        ctx.handle_id = handle_id
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, weight_alias = ctx.saved_tensors
+        needs_dx = ctx.needs_input_grad[0]
+        dx = torch.ops.forge_optim.fused_linear_backward(grad_out, x, weight, weight_alias, ctx.handle_id, needs_dx)
+        db = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad_out.reshape(-1, weight.shape[0]).sum(0)
+        return (dx if needs_dx else None), None, db, None, None
+
+
+def _fused_linear_autograd(x, weight, bias, weight_alias, handle_id):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _TracedLinearGrad.apply(x, weight, bias, weight_alias, handle_id)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)
+
+
+_LIB.impl("fused_linear", _fused_linear_autograd, "Autograd")
 
 
 def fused_linear_traceable(x, weight, bias, weight_alias, handle_id: int):
