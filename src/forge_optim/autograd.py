@@ -6,8 +6,9 @@ The weight gradient is never returned to autograd, so a fused weight's ``.grad``
 Two forms of the same thing:
 - eager: :class:`FusedLinearFunction` (an autograd.Function); a graph that is never
   backpropagated releases its pending use when it is freed.
-- under torch.compile: the ``forge_optim::fused_linear`` custom op with a registered autograd
-  formula whose backward is the opaque, mutating ``forge_optim::fused_linear_backward`` op. That op
+- under torch.compile: the ``forge_optim::fused_linear`` op (torch.library, defined at the
+  dispatcher's level) with an Autograd kernel whose backward is the opaque, mutating
+  ``forge_optim::fused_linear_backward`` op. That op
   computes dX *and then* updates the weight, so no compiler can reorder the dX GEMM after the
   update (invariant 1). The weight reaches it as a non-persistent buffer that aliases the
   parameter's storage: torch 2.11's inductor refuses a mutation of the autograd leaf itself.
