@@ -2,6 +2,7 @@
 
     python3 benchmarks/host_overhead.py [--layers 32] [--dim 64] [--steps 50]
     python3 benchmarks/host_overhead.py --cuda [--out FILE]      (on the device)
+    python3 benchmarks/host_overhead.py --compile [--cuda]       (torch.compile'd stacks instead)
 
 CPU mode runs on any machine (CPU tensors, TRITON_INTERPRET=1 so the Triton backend's host path is
 taken, the kernel launch itself replaced by a no-op). It compares one training step of a stack of
@@ -13,6 +14,11 @@ before Triton's own launcher, which it cannot measure. Writes benchmarks/results
 the step's wall time is the host's): forge with the direct launch and with Triton's own launch path
 (FORGE_FAST_LAUNCH's switch, same process), torch fused and foreach AdamW, no optimizer; and one
 fused-kernel launch alone, both ways.
+
+--compile runs each stack through torch.compile (inductor) instead: forge's fused linears are then
+the forge_optim::fused_linear / fused_linear_backward ops, and the figure is the host cost of those
+ops' Python against compiled nn.Linear + torch AdamW (foreach) and compiled forward+backward alone.
+Best of 5 interleaved runs of each.
 """
 from __future__ import annotations
 
@@ -75,6 +81,42 @@ def per_layer_us(step, layers, steps):
     for _ in range(steps):
         step()
     return (time.perf_counter() - t) / steps / layers * 1e6
+
+
+def compiled_main(a, dev):
+    """Per-layer step time of compiled stacks (see --compile in the docstring)."""
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    bt = a.bt if dev == "cuda" else 8
+    torch.manual_seed(0)
+    x = torch.randn(bt, a.dim, device=dev, dtype=dtype, requires_grad=True)
+    m = linear_stack(a.layers, a.dim, dev, dtype)
+    fopt = forge_optim.AdamW(m, lr=1e-3, backend="triton", state_dtype="bf16")
+    ref = linear_stack(a.layers, a.dim, dev, dtype)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, foreach=True)
+    bare = linear_stack(a.layers, a.dim, dev, dtype)
+    steps = {"forge_bf16_compiled": train_step(torch.compile(m), x, fopt),
+             "torch_foreach_adamw_compiled": train_step(torch.compile(ref), x, ropt),
+             "none_compiled": train_step(torch.compile(bare), x)}
+
+    def timed(step):
+        step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / a.steps / a.layers * 1e6
+
+    for step in steps.values():  # compile and warm up
+        for _ in range(3):
+            step()
+    best = {}
+    for _ in range(5):  # interleaved: a busy host slows every method alike
+        for name, step in steps.items():
+            best[name] = min(best.get(name, float("inf")), timed(step))
+    return {f"{k}_us_per_layer": v for k, v in best.items()}
 
 
 def cuda_main(a):
@@ -166,12 +208,15 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cuda", action="store_true", help="real launches on the GPU (see the docstring)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile'd stacks (see the docstring)")
     ap.add_argument("--bt", type=int, default=16, help="--cuda: tokens per step")
     ap.add_argument("--profile", default=None, help="--cuda: write a cProfile of forge's steps to this file")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-<date>[-cuda].json)")
     a = ap.parse_args()
     if a.cuda:
-        res = cuda_main(a)
+        if a.compile:
+            os.environ.setdefault("FORGE_TRITON_CONFIG", launch_mod.SMALL_BT_CONFIGS[-2].env())
+        res = compiled_main(a, "cuda") if a.compile else cuda_main(a)
         import triton
 
         dev = f"{torch.cuda.get_device_name()} (host: {platform.machine()}, {os.cpu_count()} cores)"
@@ -182,11 +227,23 @@ def main():
         for k, v in res.items():
             print(f"{k:38s} {v:7.1f}")
         path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
-                                          / f"host-{dt.date.today().isoformat()}-cuda.json")
+                                          / f"host-{dt.date.today().isoformat()}-cuda{'-compile' if a.compile else ''}.json")
         path.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {path}")
         return
     launch_mod.fused.forge_fused_kernel = _NoLaunch()
+    if a.compile:
+        res = compiled_main(a, "cpu")
+        out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                   device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)", torch=torch.__version__,
+                   command=" ".join([sys.executable] + sys.argv), layers=a.layers, dim=a.dim, steps=a.steps, **res)
+        for k, v in res.items():
+            print(f"{k:38s} {v:7.1f}")
+        path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
+                                          / f"host-{dt.date.today().isoformat()}-compile.json")
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {path}")
+        return
     torch.manual_seed(0)
     x = torch.randn(8, a.dim, requires_grad=True)
 
