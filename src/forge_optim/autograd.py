@@ -46,6 +46,14 @@ def autocast_operands(x, weight, bias):
     return x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
 
 
+def input_grad(grad_out: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """dX = dY W in W's dtype, returned in X's; no-op casts skipped (host time on the hot path).
+    Invariant 1: ``w`` is the weight as it was before this step's update."""
+    g = grad_out if grad_out.dtype == w.dtype else grad_out.to(w.dtype)
+    dx = g @ w
+    return dx if dx.dtype == x_dtype else dx.to(x_dtype)
+
+
 class FusedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, handle, use):
@@ -68,11 +76,7 @@ class FusedLinearFunction(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = db = None
         if ctx.needs_input_grad[0]:
-            # Invariant 1: dX = dY W with the weight as it was before this step's update.
-            g = grad_out if grad_out.dtype == w.dtype else grad_out.to(w.dtype)
-            dx = g @ w
-            if dx.dtype != ctx.x_dtype:
-                dx = dx.to(ctx.x_dtype)
+            dx = input_grad(grad_out, w, ctx.x_dtype)
         if ctx.needs_input_grad[2]:
             db = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
         ctx.handle.consume(grad_out, x, ctx.use)
@@ -114,13 +118,7 @@ _LIB.define("fused_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Ten
 def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                              weight_alias: torch.Tensor, handle_id: int, needs_dx: bool) -> torch.Tensor:
     """dX = dY W with the old W, then the fused update of ``weight_alias`` (the parameter's storage)."""
-    if needs_dx:
-        g = grad_out if grad_out.dtype == weight.dtype else grad_out.to(weight.dtype)
-        dx = g @ weight
-        if dx.dtype != x.dtype:
-            dx = dx.to(x.dtype)
-    else:
-        dx = x.new_empty(0)
+    dx = input_grad(grad_out, weight, x.dtype) if needs_dx else x.new_empty(0)
     h = _handle(handle_id)
     h.release_one()
     h.consume(grad_out, x, None)

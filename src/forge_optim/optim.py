@@ -134,12 +134,11 @@ class _FastPath:
     __slots__ = ("state", "specs", "tensors", "wptr", "stochastic", "backend", "plan")
 
     @classmethod
-    def make(cls, opt, backend, p, group, state, job, dy, x):
+    def make(cls, opt, backend, p, state, job, dy, x):
         make_plan = getattr(backend, "plan", None)
-        if (make_plan is None or opt.nonfinite_mode != "skip" or job.grad_buffer is not None
-                or dtensor.is_dtensor(p) or dtensor.is_dtensor(dy)):
+        if make_plan is None or opt.nonfinite_mode != "skip" or dtensor.is_dtensor(p) or dtensor.is_dtensor(dy):
             return None
-        plan = make_plan(job, dy, x)
+        plan = make_plan(job, dy, x)  # None for a job with a gradient buffer
         if plan is None:
             return None
         self = cls()
@@ -416,7 +415,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
         backend = self._backend_for(p)
         backend.update(job, dy, x)
-        handle.fast = _FastPath.make(self, backend, p, group, state, job, dy, x)
+        handle.fast = _FastPath.make(self, backend, p, state, job, dy, x)
         # Triton stores do not bump the version counter: make any stale use of the old W raise.
         torch.autograd.graph.increment_version(p)
         if self.nonfinite_mode == "raise":
