@@ -57,17 +57,18 @@ def measure_peaks():
     return gemm, bw
 
 
-def make_states(mode, M, N, gen):
-    rule = RULES["AdamW"]
-    specs = rule.state_specs(dict(rule.defaults))
+def make_states(mode, M, N, gen, rule=RULES["AdamW"], group=None):
+    """Random states of ``rule`` (AdamW by default) for an [M, N] weight: bf16, fp32 or int8."""
     views = []
-    for sp in specs:
+    for sp in rule.state_specs(dict(rule.defaults) if group is None else group):
         v = torch.randn(M, N, device="cuda", generator=gen) * 1e-3
         if sp.nonnegative:
             v = v.square()
         if mode == "int8":
             q, s = precision.quantize(v, sp.nonnegative)
             views.append(StateView(sp, q.contiguous(), s.contiguous()))
+        elif mode == "fp32":
+            views.append(StateView(sp, v.contiguous()))
         else:
             views.append(StateView(sp, v.bfloat16()))
         del v

@@ -31,31 +31,15 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from forge_optim import precision  # noqa: E402
-from forge_optim.backends.base import StateView, UpdateJob  # noqa: E402
+from forge_optim.backends.base import UpdateJob  # noqa: E402
 from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 
+from bench_kernel import make_states  # noqa: E402  (this script's folder is on sys.path)
+
 BYTES = {"adamw-bf16-sr": 12, "adamw-bf16-rn": 12, "adamw-fp32": 20, "adamw-int8": 8.25,
          "sgd-bf16-sr": 4, "accumulate": 8}
-
-
-def states_for(variant, rule, group, M, N, gen):
-    views = []
-    for sp in rule.state_specs(group):
-        v = torch.randn(M, N, device="cuda", generator=gen) * 1e-3
-        if sp.nonnegative:
-            v = v.square()
-        if variant == "adamw-int8":
-            q, s = precision.quantize(v, sp.nonnegative)
-            views.append(StateView(sp, q.contiguous(), s.contiguous()))
-        elif variant == "adamw-fp32":
-            views.append(StateView(sp, v.contiguous()))
-        else:
-            views.append(StateView(sp, v.bfloat16()))
-        del v
-    return views
 
 
 def main():
@@ -86,7 +70,8 @@ def main():
                     def fn():
                         backend.accumulate(buf, dy, x)
                 else:
-                    views = states_for(variant, rule, group, M, N, gen)
+                    mode = {"adamw-int8": "int8", "adamw-fp32": "fp32"}.get(variant, "bf16")
+                    views = make_states(mode, M, N, gen, rule, group)
                     sr = not variant.endswith("-rn")
                     job = UpdateJob(weight=W, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, 10)),
                                     states=views, stochastic_weight=sr, stochastic_state=sr, key_weight=123,

@@ -83,6 +83,20 @@ def per_layer_us(step, layers, steps):
     return (time.perf_counter() - t) / steps / layers * 1e6
 
 
+def write_result(a, res: dict, device: str, suffix: str, **extra) -> None:
+    """Print ``res`` and write it with the run's date, device, versions and command to --out (default
+    benchmarks/results/host-<date><suffix>.json)."""
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=device,
+               torch=torch.__version__, **extra, command=" ".join([sys.executable] + sys.argv),
+               layers=a.layers, dim=a.dim, steps=a.steps, **res)
+    for k, v in res.items():
+        print(f"{k:38s} {v:7.1f}")
+    path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
+                                      / f"host-{dt.date.today().isoformat()}{suffix}.json")
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def compiled_main(a, dev):
     """Per-layer step time of compiled stacks (see --compile in the docstring)."""
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -211,7 +225,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="torch.compile'd stacks (see the docstring)")
     ap.add_argument("--bt", type=int, default=16, help="--cuda: tokens per step")
     ap.add_argument("--profile", default=None, help="--cuda: write a cProfile of forge's steps to this file")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-<date>[-cuda].json)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/host-<date>[-cuda][-compile].json)")
     a = ap.parse_args()
     if a.cuda:
         if a.compile:
@@ -219,30 +233,13 @@ def main():
         res = compiled_main(a, "cuda") if a.compile else cuda_main(a)
         import triton
 
-        dev = f"{torch.cuda.get_device_name()} (host: {platform.machine()}, {os.cpu_count()} cores)"
-        out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=dev,
-                   torch=torch.__version__, triton=triton.__version__,
-                   command=" ".join([sys.executable] + sys.argv), layers=a.layers, dim=a.dim, bt=a.bt,
-                   steps=a.steps, **res)
-        for k, v in res.items():
-            print(f"{k:38s} {v:7.1f}")
-        path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
-                                          / f"host-{dt.date.today().isoformat()}-cuda{'-compile' if a.compile else ''}.json")
-        path.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {path}")
+        write_result(a, res, f"{torch.cuda.get_device_name()} (host: {platform.machine()}, {os.cpu_count()} cores)",
+                     "-cuda-compile" if a.compile else "-cuda", triton=triton.__version__, bt=a.bt)
         return
     launch_mod.fused.forge_fused_kernel = _NoLaunch()
+    cpu = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     if a.compile:
-        res = compiled_main(a, "cpu")
-        out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)", torch=torch.__version__,
-                   command=" ".join([sys.executable] + sys.argv), layers=a.layers, dim=a.dim, steps=a.steps, **res)
-        for k, v in res.items():
-            print(f"{k:38s} {v:7.1f}")
-        path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
-                                          / f"host-{dt.date.today().isoformat()}-compile.json")
-        path.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {path}")
+        write_result(a, compiled_main(a, "cpu"), cpu, "-compile")
         return
     torch.manual_seed(0)
     x = torch.randn(8, a.dim, requires_grad=True)
@@ -263,14 +260,7 @@ def main():
     res = dict(forge_us_per_layer=per_layer_us(forge_step, a.layers, a.steps),
                torch_adamw_us_per_layer=per_layer_us(torch_step, a.layers, a.steps),
                bare_python_function_us_per_layer=per_layer_us(bare_step, a.layers, a.steps))
-    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)", torch=torch.__version__,
-               command=" ".join([sys.executable] + sys.argv), layers=a.layers, dim=a.dim, steps=a.steps, **res)
-    for k, v in res.items():
-        print(f"{k:38s} {v:7.1f}")
-    path = Path(__file__).resolve().parent / "results" / f"host-{dt.date.today().isoformat()}.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result(a, res, cpu, "")
 
 
 if __name__ == "__main__":
