@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from forge_optim.kernels import fused
 from forge_optim.kernels.launch import LARGE_BT_CONFIGS, SMALL_BT_CONFIGS
+from forge_optim.kernels.ptxas import ptxas_usage
 from forge_optim.rules import RULES
 
 
@@ -52,27 +53,13 @@ def compile_cfg(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True, i
 
 def ptxas_report(ptx: str, sass: bool):
     """Registers, spill bytes and stack frame from the bundled ptxas -v; optional SASS summary."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "k.ptx")
-        o = os.path.join(d, "k.cubin")
-        open(p, "w").write(ptx)
-        out = subprocess.run([os.path.join(bindir, "ptxas"), "-arch=sm_90a", "-v", p, "-o", o],
-                             capture_output=True, text=True).stderr
-        regs = re.search(r"Used (\d+) registers", out)
-        stack = re.search(r"(\d+) bytes stack frame", out)
-        spill = re.search(r"(\d+) bytes spill stores", out)
-        info = ""
-        if sass:
-            s = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-sass", o], capture_output=True,
-                               text=True).stdout
-            info = f"HGMMA={s.count('HGMMA')} UTMALDG={s.count('UTMALDG')} LDL={s.count('LDL')} STL={s.count('STL')}"
-    return (regs.group(1) if regs else "?", spill.group(1) if spill else "?", stack.group(1) if stack else "?", info)
+    u = ptxas_usage(ptx, sass=sass)
+    info = ""
+    if sass:
+        s = u["sass"]
+        info = f"HGMMA={s.count('HGMMA')} UTMALDG={s.count('UTMALDG')} LDL={s.count('LDL')} STL={s.count('STL')}"
+    show = lambda v: "?" if v is None else str(v)  # noqa: E731
+    return (show(u["registers"]), show(u["spill_bytes"]), show(u["stack_bytes"]), info)
 
 
 def main():

@@ -1,0 +1,530 @@
+"""Hopper ping-pong variant of the fused kernel, written in Gluon (sm_90 only).
+
+Why a second kernel: the Triton kernel (``fused.py``) runs each tile's GEMM mainloop and its
+optimizer epilogue one after the other in the same warps, and at small BT the epilogue's state
+traffic is as long as the mainloop, so the two add up (NOTES.md, "what bounds the epilogue").
+Triton 3.6 cannot overlap them on Hopper. Gluon exposes warp specialization, so here one program
+per SM holds three partitions:
+
+- a loader warp that streams the dY and X tiles of every tile of this program through a ring of
+  ``STAGES`` shared-memory buffers with TMA;
+- two consumer warpgroups that take the tiles of this program in turn (even / odd). Each one runs
+  the wgmma mainloop of its tile into its own fp32 accumulator, then the epilogue of that tile.
+  While one consumer is in its epilogue (memory-bound), the other runs its mainloop (tensor cores):
+  CUTLASS's "ping-pong" schedule.
+
+The ring is consumed in tile order, so the two consumers' mainloops alternate naturally.
+
+The epilogue computes exactly what ``fused._epilogue`` computes for MODE_UPDATE without a gradient
+buffer: the rule's ``triton_update`` (the same @triton.jit function), the non-finite guard and
+count, and bf16 stores by the same hashed stochastic rounding (``fused._to_bf16``) or RNE. States are
+fp32 or bf16; int8 states, gradient buffers and accumulate mode use the Triton kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from . import fused
+
+
+@gluon.jit
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: gl.constexpr):
+    """GROUP_SIZE swizzle, as fused._tile_coords."""
+    num_pid_in_group = GROUP_SIZE * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE
+    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_SIZE)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+    """1 warp: the dY and X tiles of every tile of this program, in order, through the ring."""
+    pid = gl.program_id(0)
+    BT = dy_desc.shape[0]
+    k_tiles = gl.cdiv(BT, BK)
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    nbytes: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
+    c = pid * 0  # a runtime counter (a literal 0 would be a constexpr)
+    for tile_id in range(pid, num_tiles, NPROG):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
+        for kk in range(k_tiles):
+            s = c % STAGES
+            ph = (c // STAGES) & 1
+            # a fresh mbarrier counts as having completed the phase before phase 0
+            mbarrier.wait(empty.index(s), ph ^ 1)
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(dy_desc, [kk * BK, pid_m * BM], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(x_desc, [kk * BK, pid_n * BN], ready.index(s), b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+    """1 warp: W and the states of tile j into consumer (j mod 2)'s buffers, as soon as that consumer
+    has stored its previous tile, i.e. while it runs this tile's mainloop."""
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    SN: gl.constexpr = BN // EPI_N
+    j = pid * 0
+    for tile_id in range(pid, num_tiles, NPROG):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
+        slot = j % 2
+        mbarrier.wait(st_empty.index(slot), ((j // 2) & 1) ^ 1)
+        bar = st_ready.index(slot)
+        mbarrier.expect(bar, ST_BYTES)
+        for i in gl.static_range(EPI_N):
+            coord = [pid_m * BM, pid_n * BN + i * SN]
+            tma.async_copy_global_to_shared(w_desc, coord, bar, w_bufs.index(slot * EPI_N + i))
+            if S0 != 0:
+                tma.async_copy_global_to_shared(s0_desc, coord, bar, s0_bufs.index(slot * EPI_N + i))
+            if S1 != 0:
+                tma.async_copy_global_to_shared(s1_desc, coord, bar, s1_bufs.index(slot * EPI_N + i))
+            if S2 != 0:
+                tma.async_copy_global_to_shared(s2_desc, coord, bar, s2_bufs.index(slot * EPI_N + i))
+        j += 1
+
+
+@gluon.jit
+def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+    """One consumer warpgroup: the tiles of this program whose local index is ``cid`` mod 2."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN, 16])
+    pid = gl.program_id(0)
+    BT = dy_desc.shape[0]
+    k_tiles = gl.cdiv(BT, BK)
+    num_pid_m = gl.cdiv(M, BM)
+    num_pid_n = gl.cdiv(N, BN)
+    num_tiles = num_pid_m * num_pid_n
+    SN: gl.constexpr = BN // EPI_N
+    c = cid * k_tiles
+    n_done = pid * 0  # tiles this consumer has done (a runtime value: a literal 0 is a constexpr)
+    # the layout of an epilogue slice, and a per-thread count of non-finite gradient elements that
+    # is reduced (and added to nf_ptr) once at the end: a reduction per slice cost ~10% (NOTES.md)
+    SL: gl.constexpr = _split_n(gl.zeros((BM, BN), gl.float32, acc_layout), EPI_N)[0].type.layout
+    bad = gl.zeros((BM, SN), gl.int32, SL)
+    for tile_id in range(pid + cid * NPROG, num_tiles, 2 * NPROG):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
+        # The two consumers' mainloops take turns (CUTLASS's ordered math barrier): a consumer starts
+        # only when the other has finished the previous tile's mainloop, so every ring slot is at
+        # most one use behind the counter it is waited on with (a parity wait cannot alias).
+        if cid == 0:
+            if n_done > 0:
+                mbarrier.wait(order.index(0), (n_done - 1) & 1)
+        else:
+            mbarrier.wait(order.index(1), n_done & 1)
+        acc = gl.zeros((BM, BN), gl.float32, acc_layout)
+        prev_s = 0
+        for kk in range(k_tiles):
+            s = c % STAGES
+            ph = (c // STAGES) & 1
+            mbarrier.wait(ready.index(s), ph)
+            a = a_bufs.index(s).permute((1, 0))  # [BM, BK] view of the [BK, BM] dY tile
+            b = b_bufs.index(s)  # [BK, BN]
+            acc = warpgroup_mma(a, b, acc, is_async=True)
+            # at most one wgmma in flight: the previous stage is free again
+            acc = warpgroup_mma_wait(1, deps=(acc,))
+            if kk > 0:
+                mbarrier.arrive(empty.index(prev_s), count=1)
+            prev_s = s
+            c += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index(prev_s), count=1)
+        mbarrier.arrive(order.index(1 - cid), count=1)  # the other consumer's mainloop may start
+        c += k_tiles  # skip the other consumer's tile in the ring
+
+        # ---- epilogue: W and states are already in shared memory (the state loader), results go
+        # back through the same buffers and TMA stores. Out-of-range rows/columns: TMA loads zeros
+        # (G = 0 there: finite, not counted) and the stores are clipped, so no masks.
+        mbarrier.wait(st_ready.index(cid), n_done & 1)
+        row0 = pid_m * BM
+        col0 = pid_n * BN
+        base = (row0.to(gl.int64) * N + col0).to(gl.uint32)  # hash input: linear offset mod 2**32
+        accs = _split_n(acc, EPI_N)
+        rm = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
+        rn = gl.arange(0, SN, layout=gl.SliceLayout(0, SL))
+        for i in gl.static_range(EPI_N):
+            cols = i * SN + rn
+            hoff = (rm[:, None] * N + cols[None, :]).to(gl.uint32) + base
+            # in range: only for the non-finite count (outside, a zero X column times an infinite
+            # dY entry gives NaN, which must not be counted)
+            inb = ((row0 + rm) < M)[:, None] & ((col0 + cols) < N)[None, :]
+            b = cid * EPI_N + i
+            bad = _epilogue_slice(accs[i], hoff, inb, bad, w_bufs.index(b), s0_bufs.index(b), s1_bufs.index(b),
+                            s2_bufs.index(b), nf_ptr, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+                            key_w, key_s0, key_s1, key_s2, UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, SL)
+        fence_async_shared()
+        for i in gl.static_range(EPI_N):
+            b = cid * EPI_N + i
+            coord = [row0, col0 + i * SN]
+            tma.async_copy_shared_to_global(w_desc, coord, w_bufs.index(b))
+            if S0 != 0:
+                tma.async_copy_shared_to_global(s0_desc, coord, s0_bufs.index(b))
+            if S1 != 0:
+                tma.async_copy_shared_to_global(s1_desc, coord, s1_bufs.index(b))
+            if S2 != 0:
+                tma.async_copy_shared_to_global(s2_desc, coord, s2_bufs.index(b))
+        tma.store_wait(0)  # the buffers have been read out: the state loader may refill them
+        mbarrier.arrive(st_empty.index(cid), count=1)
+        n_done += 1
+    if HAS_NF:
+        nbad = gl.sum(gl.sum(bad, axis=1), axis=0)
+        if nbad > 0:
+            gl.atomic_add(nf_ptr, nbad.to(gl.int64))
+
+
+@gluon.jit
+def _split_n(x, FACTOR: gl.constexpr):
+    """Split [BM, BN] into FACTOR column slices [BM, BN/FACTOR] (slice i = columns [i*BN/FACTOR, ...))
+    without moving data: in the wgmma accumulator layout a thread's columns are spread over its
+    registers (as the Blackwell tutorial's _split_n does for TMEM)."""
+    split_count: gl.constexpr = FACTOR.bit_length() - 1
+    xs = (x, )
+    for _ in gl.static_range(split_count):
+        next_xs = ()
+        for j in gl.static_range(len(xs)):
+            x = xs[j]
+            next_xs += x.reshape(x.shape[0], 2, x.shape[1] // 2).permute(0, 2, 1).split()
+        xs = next_xs
+    return xs
+
+
+@gluon.jit
+def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf, nf_ptr,
+                    c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                    UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+                    S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+                    SL: gl.constexpr):
+    """fused._epilogue's MODE_UPDATE path (no gradient buffer) on one slice, in shared memory."""
+    g = acc * grad_sign
+    w_old = w_buf.load(SL).to(gl.float32)
+    zero = gl.zeros_like(g)
+    if S0 != 0:
+        s0_old = s0_buf.load(SL).to(gl.float32)
+    else:
+        s0_old = zero
+    if S1 != 0:
+        s1_old = s1_buf.load(SL).to(gl.float32)
+    else:
+        s1_old = zero
+    if S2 != 0:
+        s2_old = s2_buf.load(SL).to(gl.float32)
+    else:
+        s2_old = zero
+    w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old, c0, c1, c2, c3, c4, c5, c6, c7)
+    finite = gl.abs(g) < float("inf")  # False for NaN and +-Inf
+    w_new = gl.where(finite, w_new, w_old)
+    if HAS_NF:
+        bad += gl.where(inb & (finite == 0), 1, 0)
+    if W_BF16:
+        w_buf.store(fused._to_bf16(w_new, hoff, key_w, W_SR, False))
+    else:
+        w_buf.store(w_new)
+    _store_state(s0_buf, gl.where(finite, s0_new, s0_old), hoff, key_s0, S0, S_SR)
+    _store_state(s1_buf, gl.where(finite, s1_new, s1_old), hoff, key_s1, S1, S_SR)
+    _store_state(s2_buf, gl.where(finite, s2_new, s2_old), hoff, key_s2, S2, S_SR)
+    return bad
+
+
+@gluon.jit
+def _store_state(buf, value, hoff, key, KIND: gl.constexpr, SR: gl.constexpr):
+    if KIND == 1:
+        buf.store(value)
+    elif KIND == 2:
+        buf.store(fused._to_bf16(value, hoff, key, SR, False))
+
+
+@gluon.jit
+def _consumer0(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+    _consume(0, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)
+
+
+@gluon.jit
+def _consumer1(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+    _consume(1, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)
+
+
+@gluon.jit(do_not_specialize=["M", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"])
+def forge_pingpong_kernel(
+        dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
+        S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
+        BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    SN: gl.constexpr = BN // EPI_N
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BM], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BK, BN], x_desc.layout)
+    # two slots (one per consumer) of EPI_N column slices of W and of each state
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * EPI_N, BM, SN], w_desc.layout)
+    if S0 != 0:
+        s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [2 * EPI_N, BM, SN], s0_desc.layout)
+    else:
+        s0_bufs = w_bufs  # never touched
+    if S1 != 0:
+        s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [2 * EPI_N, BM, SN], s1_desc.layout)
+    else:
+        s1_bufs = w_bufs
+    if S2 != 0:
+        s2_bufs = gl.allocate_shared_memory(s2_desc.dtype, [2 * EPI_N, BM, SN], s2_desc.layout)
+    else:
+        s2_bufs = w_bufs
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+        mbarrier.init(st_ready.index(i), count=1)
+        mbarrier.init(st_empty.index(i), count=1)
+    fence_async_shared()
+    # a JITFunction must be wrapped to travel in the partitions' argument tuples
+    U: gl.constexpr = gl.constexpr(UPDATE)
+    gl.warp_specialize([
+        (_consumer0, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        (_consumer1, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        (_operand_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        (_state_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+    ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+@dataclass(frozen=True)
+class PingPongConfig:
+    BM: int = 64  # rows of a consumer's tile (one warpgroup's wgmma covers 64 rows)
+    BN: int = 64  # 64x128 tiles ran 2-2.5x slower per element on the H200 (NOTES.md)
+    BK: int = 64
+    stages: int = 6  # dY/X ring depth in shared memory
+    group_size: int = 8
+    epi_n: int = 2  # epilogue column slices (TMA boxes of W/states are [BM, BN/epi_n])
+    consumer_regs: int = 232
+    progs_per_sm: int = 1  # 2: two programs per SM (more warps to hide the epilogue's ALU latency)
+    maxnreg: int = 0  # register cap per thread of the whole program (needed for 2 programs per SM)
+
+    def short(self) -> str:
+        return (f"pingpong {self.BM}x{self.BN}x{self.BK} s{self.stages} g{self.group_size} e{self.epi_n} "
+                f"r{self.consumer_regs} p{self.progs_per_sm}{f' m{self.maxnreg}' if self.maxnreg else ''}")
+
+    def smem_bytes(self, w_bytes: int, state_bytes: int) -> int:
+        """Shared memory: the dY/X ring plus two slots of W and states (state_bytes per element, summed)."""
+        return self.stages * self.BK * (self.BM + self.BN) * 2 + 2 * self.BM * self.BN * (w_bytes + state_bytes) + 1024
+
+
+DEFAULT_CONFIG = PingPongConfig()
+SMEM_LIMIT = 227 * 1024  # per SM; a program gets SMEM_LIMIT // progs_per_sm
+_CAP: dict[int, tuple[int, int]] = {}
+_SMS: dict[int, int] = {}
+
+
+def fit_config(cfg: PingPongConfig, w_bytes: int, state_bytes: int) -> PingPongConfig | None:
+    """cfg with fewer ring stages (down to 2), then half-width tiles, until shared memory fits."""
+    from dataclasses import replace
+
+    while cfg.smem_bytes(w_bytes, state_bytes) > SMEM_LIMIT // cfg.progs_per_sm:
+        if cfg.stages > 2:
+            cfg = replace(cfg, stages=cfg.stages - 1)
+        elif cfg.BN > 64:
+            cfg = replace(cfg, BN=cfg.BN // 2, epi_n=max(1, cfg.epi_n // 2))
+        else:
+            return None
+    return cfg
+
+
+def supported(weight, dy, x, states, grad_buffer=None) -> str | None:
+    """None if this kernel can run the update, else the reason it cannot (the Triton kernel then does)."""
+    if weight.device.type != "cuda":
+        return "not on CUDA"
+    idx = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    if idx not in _CAP:
+        _CAP[idx] = torch.cuda.get_device_capability(idx)
+    if _CAP[idx][0] != 9:
+        return "needs Hopper (sm_90)"
+    if dy.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return "dY and X must be bf16"
+    if grad_buffer is not None:
+        return "gradient buffer (accumulation) not supported"
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        return "weight must be bf16 or fp32"
+    for v in states:
+        if v is not None and (v.quantized or v.data.dtype not in (torch.bfloat16, torch.float32)):
+            return "int8 states not supported"
+    for t in (dy, x):
+        if t.stride(-1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
+            return "dY/X not TMA-compatible (16-byte aligned rows)"
+    for t in [weight] + [v.data for v in states if v is not None]:
+        if not t.is_contiguous() or (t.shape[1] * t.element_size()) % 16 or t.data_ptr() % 16:
+            return "weight/states not TMA-compatible (contiguous, 16-byte aligned rows)"
+    return None
+
+
+def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None, None), grad_sign=1.0,
+           nonfinite=None, stochastic_weight=False, stochastic_state=False, key_weight=0, key_states=(0, 0, 0),
+           config: PingPongConfig = DEFAULT_CONFIG):
+    """One fused update of ``weight`` (and its fp32/bf16 states) from G = dY^T X; see ``supported``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .launch import _i32, state_kind
+
+    M, N = weight.shape
+    sdata = [v.data if v is not None else None for v in states]
+    cfg = fit_config(config, weight.element_size(), sum(t.element_size() for t in sdata if t is not None))
+    if cfg is None:
+        raise ValueError("ping-pong kernel: W and states do not fit in shared memory")
+    idx = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    tiles = -(-M // cfg.BM) * -(-N // cfg.BN)
+    nprog = max(1, min(tiles, _SMS[idx] * cfg.progs_per_sm))
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+    sn = cfg.BN // cfg.epi_n
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt[t.dtype]))
+
+    dy_desc = desc(dy, [cfg.BK, cfg.BM])
+    x_desc = desc(x, [cfg.BK, cfg.BN])
+    w_desc = desc(weight, [cfg.BM, sn])
+    s_descs = [desc(t, [cfg.BM, sn]) if t is not None else w_desc for t in sdata]
+    kinds = [fused.S_NONE if v is None else state_kind(v) for v in states]
+    st_bytes = cfg.BM * cfg.BN * (weight.element_size() + sum(t.element_size() for t in sdata if t is not None))
+    c = [float(v) for v in coeffs]
+    forge_pingpong_kernel[(nprog,)](
+        dy_desc, x_desc, w_desc, s_descs[0], s_descs[1], s_descs[2],
+        nonfinite if nonfinite is not None else weight,
+        M, N, nprog, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
+        _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]),
+        UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
+        W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
+        ST_BYTES=st_bytes, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+
+
+def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16, state_dtype=torch.bfloat16,
+                    rule: str = "AdamW", nonfinite: bool = True):
+    """Compile the kernel for sm_90a without a GPU (Triton's bundled toolchain): the CompiledKernel,
+    whose ``asm["ptx"]`` feeds ``ptxas -v`` (registers, spills) in tests and reports."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ..rules import RULES
+
+    fn = forge_pingpong_kernel
+    names = fn.arg_names
+    wb = torch.tensor([], dtype=w_dtype).element_size()
+    sb = torch.tensor([], dtype=state_dtype).element_size()
+    rl = RULES[rule]
+    n_states = len(rl.state_specs(dict(rl.defaults)))
+    cfg = fit_config(cfg, wb, n_states * sb)
+    if cfg is None:
+        raise ValueError("does not fit in shared memory")
+    sn = cfg.BN // cfg.epi_n
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+    tname = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+    def td(dt, block):
+        return f"tensordesc<{tname[dt]}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gdt[dt])!r}>"
+
+    kind = fused.S_BF16 if state_dtype == torch.bfloat16 else fused.S_FP32
+    kinds = [kind if i < n_states else 0 for i in range(3)]
+    consts = dict(UPDATE=rl.triton_update, HAS_NF=nonfinite, W_BF16=w_dtype == torch.bfloat16, W_SR=True,
+                  S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+                  STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
+                  ST_BYTES=cfg.BM * cfg.BN * (wb + n_states * sb), CONSUMER_REGS=cfg.consumer_regs)
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n == "dy_desc":
+            sig[n] = td(torch.bfloat16, [cfg.BK, cfg.BM])
+        elif n == "x_desc":
+            sig[n] = td(torch.bfloat16, [cfg.BK, cfg.BN])
+        elif n == "w_desc":
+            sig[n] = td(w_dtype, [cfg.BM, sn])
+        elif n in ("s0_desc", "s1_desc", "s2_desc"):
+            sig[n] = td(state_dtype if kinds[int(n[1])] else w_dtype, [cfg.BM, sn])
+        elif n == "nf_ptr":
+            sig[n] = "*i64"
+        elif n in ("M", "N", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"):
+            sig[n] = "i32"
+        else:
+            sig[n] = "fp32"
+    attrs = {(names.index("N"),): [["tt.divisibility", 16]], (names.index("nf_ptr"),): [["tt.divisibility", 16]]}
+    src = GluonASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs=attrs)
+    opts = dict(num_warps=4)
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
