@@ -47,7 +47,8 @@ def compile_cfg(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True, i
              if sig[n].startswith("*") or n == "N"}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
     return k
 
 

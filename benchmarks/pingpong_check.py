@@ -211,6 +211,10 @@ def main():
             print(json.dumps(r), flush=True)
             save()
     small = [L.SMALL_BT_CONFIGS[-2], L.SMALL_BT_CONFIGS[4]]
+    if a.explore:  # the Triton kernel with more resident programs per SM (register caps, small spills)
+        small += [L.KernelConfig(64, 64, 64, 4, 3, 8, 5, 4, maxnreg=96, prefetch=True),
+                  L.KernelConfig(64, 64, 64, 4, 2, 8, 5, 8, maxnreg=96, prefetch=True),
+                  L.KernelConfig(64, 64, 64, 4, 2, 8, 6, 8, maxnreg=80, prefetch=True)]
     large = [L.LARGE_BT_CONFIGS[0], L.LARGE_BT_CONFIGS[4]]
     shapes = [(4096, 4096), (14336, 4096)] if a.explore else [(4096, 4096), (14336, 4096), (1024, 4096)]
     for (M, N) in shapes:
