@@ -138,8 +138,33 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
             q = tl.minimum(tl.maximum(q, -127.0), 127.0)
             qs = tl.reshape(q, (BM, BN)).to(tl.int8)
         tl.store(s_ptr + lin, qs, mask=mask)
-        smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
-        tl.store(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], scale, mask=smask)
+        if INTERPRET:
+            smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
+            tl.store(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], scale, mask=smask)
+        else:
+            _store_scales(sc_ptr, scale, mask, offs_m, tl.min(sb_idx, axis=0), NSB, BM, BN)
+
+
+@jit
+def _store_scales(sc_ptr, scale, mask, offs_m, blk0, NSB, BM: tl.constexpr, BN: tl.constexpr):
+    """Store the [BM, BN/64] block scales from the layout the absmax reduction left them in.
+
+    A tl.store is re-anchored by Triton's coalescing pass to a layout of its own, which costs a
+    shared-memory round trip and a CTA barrier per store (8 per tile: NOTES.md, int8 IR). Here each
+    element's row and scale column are reduced exactly like the absmax (reshape to [BM, NB, 64], max
+    over the block), so address, mask and value share the reduction's layout, and the store is an
+    inline ``st.global`` that no pass re-anchors. Lanes holding the same scale store the same value
+    to the same address."""
+    NB: tl.constexpr = BN // 64
+    zero = tl.zeros((BM, BN), dtype=tl.int32)
+    row = tl.max(tl.reshape(offs_m[:, None] + zero, (BM, NB, 64)), axis=2)
+    blk = tl.max(tl.reshape(tl.arange(0, BN)[None, :] // 64 + zero, (BM, NB, 64)), axis=2) + blk0
+    valid = tl.max(tl.reshape(tl.where(mask, 1, 0) + zero, (BM, NB, 64)), axis=2)
+    # all operands as integers (inline asm broadcasts its operands to one another)
+    addr = (sc_ptr + (row.to(tl.int64) * NSB + blk)).to(tl.int64)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.b32 [$1], $2; }\n\tmov.u32 $0, 0;",
+        "=r,l,r,r", [addr, scale.to(tl.int32, bitcast=True), valid], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @jit
