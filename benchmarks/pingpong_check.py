@@ -34,6 +34,8 @@ from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 from forge_optim.rules.base import StateSpec  # noqa: E402
 
+from bench_kernel import rotating_inputs, unfused_step  # noqa: E402  (this script's folder is on sys.path)
+
 RULE = RULES["AdamW"]
 GROUP = dict(RULE.defaults, lr=1e-3, weight_decay=0.1)
 COEFFS = RULE.padded(RULE.coefficients(GROUP, {}, 10))
@@ -128,14 +130,7 @@ def correctness(M, N, BT, cfg, gen, tcfg):
 
 def timing(M, N, BT, gen, tcfgs):
     row = dict(shape=f"{M}x{N}", BT=BT)
-    nrot = 3
-    ins = [(torch.randn(BT, M, device="cuda", generator=gen).bfloat16(),
-            torch.randn(BT, N, device="cuda", generator=gen).bfloat16()) for _ in range(nrot)]
-    ctr = [0]
-
-    def nxt():
-        ctr[0] = (ctr[0] + 1) % nrot
-        return ins[ctr[0]]
+    nxt = rotating_inputs(BT, M, N, gen, 3)
 
     def bench(fn):
         return do_bench(fn, warmup=10, rep=60, return_mode="median")
@@ -144,15 +139,7 @@ def timing(M, N, BT, gen, tcfgs):
     W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
     m = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).bfloat16()
     v = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).square().bfloat16()
-    step_t = torch.tensor(10.0, device="cuda")
-
-    def unfused():
-        d, x = nxt()
-        G = d.t() @ x
-        torch._fused_adamw_([W], [G], [m], [v], [], [step_t], lr=1e-4, beta1=0.9, beta2=0.999,
-                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-
-    row["unfused_ms"] = bench(unfused)
+    row["unfused_ms"] = bench(unfused_step(W, m, v, nxt))
     nf = torch.zeros((), dtype=torch.int64, device="cuda")
     for c in PP_CONFIGS:
         try:
@@ -177,7 +164,7 @@ def timing(M, N, BT, gen, tcfgs):
     row["best_pingpong_ms"], row["best_triton_ms"] = pp, tr
     row["pp_over_c"], row["triton_over_c"], row["pp_over_b"] = pp / row["unfused_ms"], tr / row["unfused_ms"], pp / row["wgrad_ms"]
     assert torch.isfinite(W.float()).all()
-    del ins, W, m, v
+    del nxt, W, m, v
     torch.cuda.empty_cache()
     return row
 

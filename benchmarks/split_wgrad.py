@@ -35,6 +35,8 @@ from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 from forge_optim.rules.base import StateSpec  # noqa: E402
 
+from bench_kernel import unfused_step  # noqa: E402  (this script's folder is on sys.path)
+
 RULE = RULES["AdamW"]
 GROUP = dict(RULE.defaults, lr=1e-3, weight_decay=0.1)
 COEFFS = RULE.padded(RULE.coefficients(GROUP, {}, 10))
@@ -85,14 +87,7 @@ def main():
             W, m, v = W0.clone(), m0.clone(), v0.clone()
             nf = torch.zeros((), dtype=torch.int64, device="cuda")
             row["wgrad_ms"] = bench(lambda: dy.t() @ x)
-            step_t = torch.tensor(10.0, device="cuda")
-
-            def unfused():
-                G = dy.t() @ x
-                torch._fused_adamw_([W], [G], [m], [v], [], [step_t], lr=1e-4, beta1=0.9, beta2=0.999,
-                                    weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-
-            row["unfused_ms"] = bench(unfused)
+            row["unfused_ms"] = bench(unfused_step(W, m, v, lambda: (dy, x)))
             tcfgs = [L.SMALL_BT_CONFIGS[-2], L.SMALL_BT_CONFIGS[4]] if BT <= 1024 else \
                 [L.LARGE_BT_CONFIGS[0], L.LARGE_BT_CONFIGS[4]]
             for c in tcfgs:

@@ -38,16 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import fused
 
 
-@gluon.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: gl.constexpr):
-    """GROUP_SIZE swizzle, as fused._tile_coords."""
-    num_pid_in_group = GROUP_SIZE * num_pid_n
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE
-    group_size_m = gl.minimum(num_pid_m - first_pid_m, GROUP_SIZE)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
+# the same GROUP_SIZE swizzle as the Triton kernel (a @triton.jit function: Gluon can call it)
+_tile_coords = fused._tile_coords
 
 
 @gluon.jit
@@ -356,6 +348,10 @@ def forge_pingpong_kernel(
         U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
+
+# The four partitions repeat one long parameter list on purpose: Gluon requires every worker of a
+# warp_specialize to have the same signature, and in Triton 3.6 an @aggregate of these fields cannot
+# be built inside the kernel (a plain __init__ is rejected as an unsupported function).
 
 # ---------------------------------------------------------------------------------------------
 # Host side.
