@@ -1,0 +1,46 @@
+"""Offline compilation of the fused Triton kernel for sm_90a (no GPU: Triton's bundled toolchain),
+for reports (benchmarks/compile_report.py) and for tests of properties of the generated code."""
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ..rules import RULES
+from . import fused
+
+
+def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True, in_dtype="bf16"):
+    """The fused kernel (MODE_UPDATE, stochastic rounding, non-finite count) for KernelConfig ``cfg`` with
+    state kinds ``s_kind``/``s1_kind`` (fused.S_*), specialized as the runtime would for our shapes.
+    Needs a Triton whose ``triton.jit`` is not the interpreter's (TRITON_INTERPRET unset)."""
+    fn = fused.forge_fused_kernel
+    names = fn.arg_names
+    ptr = {"dy_ptr": f"*{in_dtype}", "x_ptr": f"*{in_dtype}", "w_ptr": "*bf16" if w_bf16 else "*fp32",
+           "buf_ptr": "*fp32", "nf_ptr": "*i64", "sc0_ptr": "*fp32", "sc1_ptr": "*fp32", "sc2_ptr": "*fp32"}
+    sdt = {fused.S_BF16: "*bf16", fused.S_FP32: "*fp32", fused.S_INT8: "*i8", fused.S_UINT8: "*u8", 0: "*fp32"}
+    ptr["s0_ptr"] = sdt[s_kind]
+    ptr["s1_ptr"] = sdt[s1_kind]
+    ptr["s2_ptr"] = "*fp32"
+    consts = dict(UPDATE=RULES[rule].triton_update, MODE=0, HAS_BUF=False, HAS_NF=True, W_BF16=w_bf16, W_SR=True,
+                  S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
+                  BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
+                  EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch)
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ptr:
+            sig[n] = ptr[n]
+        elif n in ("BT", "M", "N", "NSB", "NUM_PROGS", "key_w", "key_s0", "key_s1", "key_s2"):
+            sig[n] = "i32"
+        else:
+            sig[n] = "fp32"
+    # what the runtime specializes: 16-byte aligned pointers, sizes divisible by 16 (all our shapes)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n == "N"}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
+    return k
