@@ -172,13 +172,17 @@ def _sm_count(device: torch.device) -> int:
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPABILITY:
+        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
+    return _CAPABILITY[idx]
+
+
 def _tma_ok(dy: torch.Tensor, x: torch.Tensor) -> bool:
     if _INTERPRET or dy.device.type != "cuda":
         return False
-    idx = dy.device.index if dy.device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABILITY:
-        _CAPABILITY[idx] = torch.cuda.get_device_capability(idx)
-    if _CAPABILITY[idx][0] < 9:
+    if _capability(dy.device)[0] < 9:
         return False
     for t in (dy, x):
         es = t.element_size()

@@ -22,7 +22,7 @@ fp32 or bf16; int8 states, gradient buffers and accumulate mode use the Triton k
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
@@ -178,7 +178,7 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
             inb = ((row0 + rm) < M)[:, None] & ((col0 + cols) < N)[None, :]
             b = cid * EPI_N + i
             bad = _epilogue_slice(accs[i], hoff, inb, bad, w_bufs.index(b), s0_bufs.index(b), s1_bufs.index(b),
-                            s2_bufs.index(b), nf_ptr, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+                            s2_bufs.index(b), c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
                             key_w, key_s0, key_s1, key_s2, UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, SL)
         fence_async_shared()
         for i in gl.static_range(EPI_N):
@@ -217,7 +217,7 @@ def _split_n(x, FACTOR: gl.constexpr):
 
 
 @gluon.jit
-def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf, nf_ptr,
+def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf,
                     c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
                     UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
                     S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
@@ -372,21 +372,21 @@ class PingPongConfig:
         return (f"pingpong {self.BM}x{self.BN}x{self.BK} s{self.stages} g{self.group_size} e{self.epi_n} "
                 f"r{self.consumer_regs} p{self.progs_per_sm}{f' m{self.maxnreg}' if self.maxnreg else ''}")
 
+    def tile_bytes(self, w_bytes: int, state_bytes: int) -> int:
+        """W and the states of one tile (state_bytes: bytes per element, summed over the states)."""
+        return self.BM * self.BN * (w_bytes + state_bytes)
+
     def smem_bytes(self, w_bytes: int, state_bytes: int) -> int:
-        """Shared memory: the dY/X ring plus two slots of W and states (state_bytes per element, summed)."""
-        return self.stages * self.BK * (self.BM + self.BN) * 2 + 2 * self.BM * self.BN * (w_bytes + state_bytes) + 1024
+        """Shared memory: the dY/X ring plus two slots (one per consumer) of a tile's W and states."""
+        return self.stages * self.BK * (self.BM + self.BN) * 2 + 2 * self.tile_bytes(w_bytes, state_bytes) + 1024
 
 
 DEFAULT_CONFIG = PingPongConfig()
 SMEM_LIMIT = 227 * 1024  # per SM; a program gets SMEM_LIMIT // progs_per_sm
-_CAP: dict[int, tuple[int, int]] = {}
-_SMS: dict[int, int] = {}
 
 
 def fit_config(cfg: PingPongConfig, w_bytes: int, state_bytes: int) -> PingPongConfig | None:
     """cfg with fewer ring stages (down to 2), then half-width tiles, until shared memory fits."""
-    from dataclasses import replace
-
     while cfg.smem_bytes(w_bytes, state_bytes) > SMEM_LIMIT // cfg.progs_per_sm:
         if cfg.stages > 2:
             cfg = replace(cfg, stages=cfg.stages - 1)
@@ -401,10 +401,9 @@ def supported(weight, dy, x, states, grad_buffer=None) -> str | None:
     """None if this kernel can run the update, else the reason it cannot (the Triton kernel then does)."""
     if weight.device.type != "cuda":
         return "not on CUDA"
-    idx = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    if idx not in _CAP:
-        _CAP[idx] = torch.cuda.get_device_capability(idx)
-    if _CAP[idx][0] != 9:
+    from .launch import _capability
+
+    if _capability(weight.device)[0] != 9:
         return "needs Hopper (sm_90)"
     if dy.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return "dY and X must be bf16"
@@ -430,18 +429,16 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     """One fused update of ``weight`` (and its fp32/bf16 states) from G = dY^T X; see ``supported``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .launch import _i32, state_kind
+    from .launch import _i32, _sm_count, state_kind
 
     M, N = weight.shape
     sdata = [v.data if v is not None else None for v in states]
-    cfg = fit_config(config, weight.element_size(), sum(t.element_size() for t in sdata if t is not None))
+    state_bytes = sum(t.element_size() for t in sdata if t is not None)
+    cfg = fit_config(config, weight.element_size(), state_bytes)
     if cfg is None:
         raise ValueError("ping-pong kernel: W and states do not fit in shared memory")
-    idx = weight.device.index if weight.device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     tiles = -(-M // cfg.BM) * -(-N // cfg.BN)
-    nprog = max(1, min(tiles, _SMS[idx] * cfg.progs_per_sm))
+    nprog = max(1, min(tiles, _sm_count(weight.device) * cfg.progs_per_sm))
     gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
     sn = cfg.BN // cfg.epi_n
 
@@ -453,7 +450,6 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     w_desc = desc(weight, [cfg.BM, sn])
     s_descs = [desc(t, [cfg.BM, sn]) if t is not None else w_desc for t in sdata]
     kinds = [fused.S_NONE if v is None else state_kind(v) for v in states]
-    st_bytes = cfg.BM * cfg.BN * (weight.element_size() + sum(t.element_size() for t in sdata if t is not None))
     c = [float(v) for v in coeffs]
     forge_pingpong_kernel[(nprog,)](
         dy_desc, x_desc, w_desc, s_descs[0], s_descs[1], s_descs[2],
@@ -463,7 +459,7 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
         UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
         W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
         BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-        ST_BYTES=st_bytes, CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
+        ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
 
 
@@ -498,7 +494,7 @@ def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16
     consts = dict(UPDATE=rl.triton_update, HAS_NF=nonfinite, W_BF16=w_dtype == torch.bfloat16, W_SR=True,
                   S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                   STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                  ST_BYTES=cfg.BM * cfg.BN * (wb + n_states * sb), CONSUMER_REGS=cfg.consumer_regs)
+                  ST_BYTES=cfg.tile_bytes(wb, n_states * sb), CONSUMER_REGS=cfg.consumer_regs)
     sig = {}
     for n in names:
         if n in consts:
