@@ -356,3 +356,42 @@ def test_bf16_embedding_with_sparse_gradient_steps_like_dense():
         o.step()
     ulp = a.weight.float().abs().max() * 2.0 ** -7
     assert (a.weight.float() - b.weight.float()).abs().max() <= ulp
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_sparse_embedding_step_is_bitwise_the_dense_step(state_dtype):
+    """fp32 table (no stochastic rounding): the row-sparse step (one zero-gradient update of every row,
+    the touched rows updated from their gathered old values) writes the bits of the dense step."""
+    torch.manual_seed(0)
+    a = nn.Embedding(60, 80)
+    b = copy.deepcopy(a)
+    opt_a = forge_optim.AdamW(a, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    opt_b = forge_optim.AdamW(b, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, sparse_embeddings=False)
+    for step in range(3):
+        ids = torch.randperm(60, generator=torch.Generator().manual_seed(step))[:7]  # unique: same fp32 sums
+        c = torch.randn(7, 80, generator=torch.Generator().manual_seed(10 + step))
+        for m, o in ((a, opt_a), (b, opt_b)):
+            (m(ids) * c).sum().backward()
+            assert m.weight.grad.is_sparse == (m is a)
+            o.step()
+            o.zero_grad()
+    assert torch.equal(a.weight, b.weight)
+    sa, sb = opt_a.state[a.weight], opt_b.state[b.weight]
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+def test_sparse_embedding_step_skips_nonfinite_coordinates():
+    emb = nn.Embedding(30, 16)
+    opt = forge_optim.AdamW(emb, lr=1e-2, weight_decay=0.1)
+    ids = torch.tensor([3, 9])
+    (emb(ids) * torch.randn(2, 16)).sum().backward()
+    g = emb.weight.grad.coalesce()
+    vals = g.values().clone()
+    vals[1, 5] = float("nan")
+    emb.weight.grad = torch.sparse_coo_tensor(g.indices(), vals, g.shape, check_invariants=True)
+    before = emb.weight.detach().clone()
+    opt.step()
+    assert opt.nonfinite_counts() == {"weight": 1}
+    assert emb.weight[9, 5] == before[9, 5]
+    assert (emb.weight[9, :5] != before[9, :5]).all() and (emb.weight[0] != before[0]).all()  # decay moves rows

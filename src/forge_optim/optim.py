@@ -383,9 +383,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         keys = tuple(precision.site_key(base_key, precision.SITE_STATE0 + spec.slot) for spec in specs)
         return coeffs, precision.site_key(base_key, precision.SITE_WEIGHT), keys
 
-    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict, idx: int) -> UpdateJob:
+    def _job(self, p: torch.Tensor, weight2d: torch.Tensor, group: dict, state: dict, idx: int,
+             scalars: tuple | None = None) -> UpdateJob:
+        """The update of ``p`` this step; ``scalars`` (from ``_step_scalars``) when the step was advanced already."""
         specs = self.rule.state_specs(group)
-        coeffs, key_weight, keys = self._step_scalars(group, state, idx, specs)
+        coeffs, key_weight, keys = scalars if scalars is not None else self._step_scalars(group, state, idx, specs)
         views = []
         for spec in specs:
             data = dtensor.local(state[spec.name])
@@ -433,29 +435,55 @@ class ForgeOptimizer(torch.optim.Optimizer):
         torch.autograd.Variable._execution_engine.queue_callback(_raise)
 
     @torch.no_grad()
-    def _apply_from_grad(self, p: torch.Tensor, group: dict, grad: torch.Tensor) -> None:
+    def _apply_from_grad(self, p: torch.Tensor, group: dict, grad: torch.Tensor, scalars: tuple | None = None) -> None:
         state = self._init_state(p, group)
         w = dtensor.local(p.detach())
         contiguous = w.is_contiguous()
         w2d = _as_2d(w if contiguous else w.contiguous())
-        job = self._job(p, w2d, group, state, self._index_of(p))
+        job = self._job(p, w2d, group, state, self._index_of(p), scalars)
         if dtensor.is_dtensor(grad) and dtensor.is_dtensor(p) and tuple(grad.placements) != tuple(p.placements):
             grad = grad.redistribute(p.device_mesh, p.placements)  # e.g. a Partial norm-weight gradient
-        if grad.is_sparse:  # an embedding's touched rows: densified chunk by chunk by the backend
+        before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
+        if grad.is_sparse:  # an embedding's touched rows
             if grad.shape != w2d.shape:
                 raise RuntimeError(f"sparse gradient of '{self._param_names.get(id(p), '?')}' has shape "
                                    f"{tuple(grad.shape)}; forge_optim steps row-sparse 2-D gradients (embeddings)")
-            g2d = RowSparseGrad(grad)
-        else:
-            g2d = _as_2d(dtensor.local(grad).contiguous())  # cast to fp32 chunk by chunk by the backend
-        before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
-        self._backend_for(p).update_from_grad(job, g2d)
+            self._apply_row_sparse(self._backend_for(p), job, RowSparseGrad(grad))
+        else:  # cast to fp32 chunk by chunk by the backend
+            self._backend_for(p).update_from_grad(job, _as_2d(dtensor.local(grad).contiguous()))
         if not contiguous:
             w.copy_(w2d.view_as(w))
         if self.nonfinite_mode == "raise" and int(state["_nonfinite"]) - before:
             raise FloatingPointError(
                 f"non-finite gradient in '{self._param_names.get(id(p), '?')}': weights and states of those "
                 "coordinates were left unchanged (nonfinite='raise')")
+
+    @staticmethod
+    def _apply_row_sparse(backend, job: UpdateJob, grad: RowSparseGrad) -> None:
+        """The update on a row-sparse gradient without densifying it. Every row is updated once with a
+        zero gradient (weight decay and moment decay move untouched rows too): one launch over the
+        table, no gradient tensor. The touched rows are gathered *before* it, updated from their
+        old values and gradient, and written over its result: each row gets exactly one update."""
+        idx = grad.index
+        w2d = job.weight
+        touched = UpdateJob(
+            weight=w2d.index_select(0, idx), rule=job.rule, coeffs=job.coeffs,
+            states=[StateView(v.spec, v.data.index_select(0, idx), None if v.scale is None else v.scale.index_select(0, idx))
+                    for v in job.states],
+            grad_sign=job.grad_sign, stochastic_weight=job.stochastic_weight, stochastic_state=job.stochastic_state,
+            # the gathered rows' offsets restart at 0: their own random stream
+            key_weight=precision.site_key(job.key_weight, precision.SITE_GATHERED),
+            key_states=tuple(precision.site_key(k, precision.SITE_GATHERED) for k in job.key_states),
+            nonfinite=job.nonfinite)
+        dtype = w2d.dtype if w2d.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        backend.update(job, w2d.new_empty((0, w2d.shape[0]), dtype=dtype), w2d.new_empty((0, w2d.shape[1]), dtype=dtype))
+        if idx.numel():
+            backend.update_from_grad(touched, grad.values)
+            w2d.index_copy_(0, idx, touched.weight)
+            for v, t in zip(job.states, touched.states):
+                v.data.index_copy_(0, idx, t.data)
+                if v.scale is not None:
+                    v.scale.index_copy_(0, idx, t.scale)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -464,7 +492,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        batches: dict[tuple, list] = {}
+        for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 h = self._fused_ids.get(id(p))
                 if h is not None:
@@ -481,8 +510,82 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     continue
                 if p.grad is None:
                     continue
-                self._apply_from_grad(p, group, p.grad)
+                key = self._batch_key(p, gi)
+                if key is None:
+                    self._apply_from_grad(p, group, p.grad)
+                else:
+                    batches.setdefault(key, []).append(p)
+        for key, ps in batches.items():
+            group = self.param_groups[key[0]]
+            if len(ps) == 1:
+                self._apply_from_grad(ps[0], group, ps[0].grad)
+            else:
+                self._apply_batched(ps, group)
         return loss
+
+    # Small unfused parameters (norm weights, biases) are stepped together: one update over their
+    # rows concatenated instead of one launch each (65 RMSNorm weights of an 8B Llama cost ~15 ms
+    # of host time per step one by one). The rule is element-wise, so the result is the same
+    # update; only the stochastic-rounding stream is the batch's (keyed by its first parameter).
+    BATCH_MAX_NUMEL = 1 << 20
+
+    def _batch_key(self, p: torch.Tensor, gi: int) -> tuple | None:
+        """What parameters must share to be stepped in one batch, or None for one on its own."""
+        g = p.grad
+        if (self.nonfinite_mode != "skip" or p.dim() == 0 or p.numel() == 0 or p.numel() > self.BATCH_MAX_NUMEL
+                or g.is_sparse or g.shape != p.shape or dtensor.is_dtensor(p) or dtensor.is_dtensor(g)
+                or not p.is_contiguous()):
+            return None
+        st = self.state.get(p)
+        step = int(st["step"].item()) if st and "step" in st else 0
+        # same step: the rule's coefficients (bias corrections) and scalar states agree
+        return gi, p.device, p.dtype, g.dtype, p.shape[-1], self.state_dtype_of(p), step
+
+    def _apply_batched(self, ps: list, group: dict) -> None:
+        """One update for same-shaped-rows parameters of one group (``_batch_key``): weights, states
+        and gradients are concatenated along rows, updated once, and copied back."""
+        specs = self.rule.state_specs(group)
+        states = [self._init_state(p, group) for p in ps]
+        if self.rule.scalar_states:  # per-parameter scalars (NAdam's mu product): advance each
+            scalars = [self._step_scalars(group, st, self._index_of(p), specs) for p, st in zip(ps, states)]
+            if any(sc[0] != scalars[0][0] for sc in scalars[1:]):  # e.g. loaded apart: one by one
+                for p, sc in zip(ps, scalars):
+                    self._apply_from_grad(p, group, p.grad, sc)
+                return
+        else:  # the coefficients depend on the step only, which the members share (_batch_key)
+            scalars = [self._step_scalars(group, states[0], self._index_of(ps[0]), specs)]
+            step = states[0]["step"]
+            for st in states[1:]:
+                st["step"].copy_(step)
+        cols = ps[0].shape[-1]
+        rows = [p.numel() // cols for p in ps]
+        flat = lambda ts: torch.cat([t.reshape(-1, cols) for t in ts])  # noqa: E731
+        w = flat([p.detach() for p in ps])
+        grad = flat([p.grad for p in ps])
+        views, outs = [], []
+        for spec in specs:
+            data = flat([st[spec.name] for st in states])
+            scale = None
+            if data.dtype in (torch.int8, torch.uint8):
+                scale = torch.cat([st[spec.name + "_scale"].reshape(-1, st[spec.name + "_scale"].shape[-1])
+                                   for st in states])
+                outs.append(([st[spec.name + "_scale"] for st in states], scale))
+            views.append(StateView(spec, data, scale))
+            outs.append(([st[spec.name] for st in states], data))
+        coeffs, key_weight, keys = scalars[0]
+        job = UpdateJob(
+            weight=w, rule=self.rule, coeffs=coeffs, states=views,
+            grad_sign=-1.0 if group.get("maximize", False) else 1.0,
+            stochastic_weight=self.stochastic_rounding, stochastic_state=self.stochastic_rounding,
+            key_weight=key_weight, key_states=keys, nonfinite=None)  # counted per parameter below
+        self._backend_for(ps[0]).update_from_grad(job, grad)
+        torch._foreach_copy_([p.detach() for p in ps], [t.view(p.shape) for p, t in zip(ps, w.split(rows))])
+        for dst, src in outs:  # states and int8 scales have one row per row of their parameter
+            torch._foreach_copy_(dst, [t.view(d.shape) for d, t in zip(dst, src.split(rows))])
+        # the kernel left non-finite coordinates unchanged; count them for each parameter
+        bad = torch.isfinite(grad).logical_not_().sum(1)
+        per_param = list(bad.unbind()) if all(r == 1 for r in rows) else [b.sum() for b in bad.split(rows)]
+        torch._foreach_add_([st["_nonfinite"] for st in states], per_param)
 
     # ----- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict:

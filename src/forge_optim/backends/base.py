@@ -38,7 +38,7 @@ class UpdateJob:
     coeffs: tuple  # the rule's coefficients padded to NUM_COEFFS floats
     states: list[StateView] = field(default_factory=list)  # ordered by slot
     grad_sign: float = 1.0  # -1.0 under maximize=True
-    grad_buffer: torch.Tensor | None = None  # fp32 [Dout, Din] gradient summed so far, added to this one
+    grad_buffer: torch.Tensor | None = None  # [Dout, Din] gradient (fp32, or bf16 from update_from_grad) added to this one
     stochastic_weight: bool = False  # stochastic rounding for a bf16 weight store
     stochastic_state: bool = False  # stochastic rounding for bf16 state stores
     key_weight: int = 0  # hash keys (precision.stream_key), one per store site
@@ -70,8 +70,8 @@ CHUNK_ELEMENTS = 1 << 24
 
 
 class RowSparseGrad:
-    """A [rows, cols] gradient that is zero outside ``index`` (sorted, unique rows): what
-    ``nn.Embedding(sparse=True)`` gives. ``rows(r0, r1)`` densifies one chunk, in fp32."""
+    """A [rows, cols] gradient that is zero outside ``index`` (sorted, unique rows), with ``values``
+    [len(index), cols] in fp32: what ``nn.Embedding(sparse=True)`` gives, duplicates summed."""
 
     def __init__(self, grad: torch.Tensor):
         g = grad.float().coalesce()  # duplicate rows (a token seen twice) summed in fp32
@@ -81,27 +81,10 @@ class RowSparseGrad:
         self.shape = tuple(g.shape)
         self.index = g.indices()[0]
         self.values = g.values()
-        self._bounds: dict[tuple[int, int], tuple[int, int]] = {}
-        # where every default chunk starts in ``index``: one host sync for all of them
-        chunks = list(row_chunks(*self.shape))
-        edges = torch.tensor([r0 for r0, _ in chunks] + [self.shape[0]], device=self.index.device)
-        pos = torch.searchsorted(self.index, edges).tolist()
-        for i, (r0, r1) in enumerate(chunks):
-            self._bounds[(r0, r1)] = (pos[i], pos[i + 1])
-
-    def rows(self, r0: int, r1: int) -> torch.Tensor:
-        lo, hi = self._bounds.get((r0, r1)) or torch.searchsorted(
-            self.index, torch.tensor([r0, r1], device=self.index.device)).tolist()
-        out = torch.zeros(r1 - r0, self.shape[1], dtype=torch.float32, device=self.values.device)
-        if hi > lo:
-            out.index_add_(0, self.index[lo:hi] - r0, self.values[lo:hi])
-        return out
 
 
-def grad_rows(grad, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a dense 2-D gradient or of a :class:`RowSparseGrad`, as fp32."""
-    if isinstance(grad, RowSparseGrad):
-        return grad.rows(r0, r1)
+def grad_rows(grad: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a dense 2-D gradient, as fp32."""
     return grad[r0:r1].float()
 
 

@@ -6,6 +6,8 @@ falls back to the torch backend's tiled path, which computes the same update.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .._triton import interpreting
@@ -76,7 +78,8 @@ class TritonBackend(Backend):
             elif d.dtype not in (torch.float32, torch.bfloat16):
                 return False
         gb = job.grad_buffer
-        if gb is not None and (gb.shape != w.shape or gb.dtype != torch.float32 or not gb.is_contiguous()
+        if gb is not None and (gb.shape != w.shape or gb.dtype not in (torch.float32, torch.bfloat16)
+                               or not gb.is_contiguous()
                                or gb.device != w.device):
             return False
         nf = job.nonfinite
@@ -96,10 +99,18 @@ class TritonBackend(Backend):
         launch(config=cfg, **kwargs)
 
     def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
-        """One kernel launch per ~16M-element chunk: the gradient chunk (as fp32) enters as the
-        accumulation buffer of a BT=0 fused launch, so the rule runs in the same epilogue code."""
+        """The gradient enters as the gradient buffer of a BT=0 fused launch (the rule runs in the same
+        epilogue code, which reads the buffer as fp32). An fp32 or bf16 gradient is read where it is:
+        one launch, no copy, whatever its size. Any other gradient is cast to fp32 ~16M elements at a
+        time, one launch per chunk."""
         w = job.weight
         rows, cols = w.shape
+        dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        if (grad.dtype in (torch.float32, torch.bfloat16) and grad.shape == w.shape and grad.is_contiguous()
+                and job.grad_buffer is None):
+            self.update(replace(job, grad_buffer=grad), w.new_empty((0, rows), dtype=dtype),
+                        w.new_empty((0, cols), dtype=dtype))
+            return
         for i, (r0, r1) in enumerate(row_chunks(rows, cols)):
             sub = UpdateJob(
                 weight=w[r0:r1], rule=job.rule, coeffs=job.coeffs,
@@ -110,7 +121,6 @@ class TritonBackend(Backend):
                 # offsets restart in each chunk: give each chunk its own random stream
                 key_weight=_chunk_key(job.key_weight, i),
                 key_states=tuple(_chunk_key(k, i) for k in job.key_states), nonfinite=job.nonfinite)
-            dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
             dy = w.new_empty((0, r1 - r0), dtype=dtype)
             x = w.new_empty((0, cols), dtype=dtype)
             self.update(sub, dy, x)
