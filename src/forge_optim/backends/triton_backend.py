@@ -156,7 +156,10 @@ class TritonBackend(Backend):
             return self.config
         w = kwargs["weight"]
         states = kwargs.get("states", (None, None, None))
-        key = (tuple(w.shape), bt_regime(dy.shape[0]), str(w.dtype), str(dy.dtype),
+        shape = tuple(w.shape)
+        if dy.shape[0] == 0:  # element-wise jobs: an embedding's touched rows vary in number every step;
+            shape = (1 << max(0, shape[0] - 1).bit_length(), shape[1])  # one tuning per power of two
+        key = (shape, bt_regime(dy.shape[0]), str(w.dtype), str(dy.dtype),
                job.rule.name if job is not None else "accumulate",
                tuple(state_kind(s) if s is not None else 0 for s in states),
                kwargs.get("grad_buffer") is not None, kwargs.get("nonfinite") is not None,
