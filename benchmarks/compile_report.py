@@ -1,18 +1,16 @@
 """Compile the fused kernel for sm_90 on a machine without a GPU and report registers/spills/smem.
 
-    PYTHONPATH=src python benchmarks/compile_report.py [--sass] [--preload]
+    PYTHONPATH=src python benchmarks/compile_report.py [--sass]
 
 Uses Triton's bundled ptxas; no device needed. Covers every GPU candidate config for bf16 W with
-bf16 (SR) and int8 states, AdamW. ``--preload``: instead, each register-preload config
-(launch.EXPLORE_PRELOAD_CONFIGS) after its twin without preload, bf16 states only.
+bf16 (SR) and int8 states, AdamW.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 
 from forge_optim.kernels import fused
-from forge_optim.kernels.launch import EXPLORE_PRELOAD_CONFIGS, LARGE_BT_CONFIGS, SMALL_BT_CONFIGS
+from forge_optim.kernels.launch import LARGE_BT_CONFIGS, SMALL_BT_CONFIGS
 from forge_optim.kernels.offline import compile_fused as compile_cfg
 from forge_optim.kernels.ptxas import ptxas_usage
 
@@ -32,14 +30,10 @@ def main():
     sass = "--sass" in sys.argv
     rows = []
     cfgs = list(dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS))
-    modes = ("bf16", "int8")
-    if "--preload" in sys.argv:
-        cfgs = [c for cfg in EXPLORE_PRELOAD_CONFIGS for c in (replace(cfg, preload=False), cfg)]
-        modes = ("bf16",)
     if "--first" in sys.argv:
         cfgs = cfgs[:1]
     for cfg in cfgs:
-        for name in modes:
+        for name in ("bf16", "int8"):
             kinds = fused.ADAM_STATE_KINDS[name][:2]
             try:
                 k = compile_cfg(cfg, *kinds)
@@ -48,9 +42,9 @@ def main():
                 rows.append((cfg.short(), name, regs, f"{spill}/{stack}", md.shared, sass_info))
             except Exception as err:  # noqa: BLE001
                 rows.append((cfg.short(), name, "ERR", repr(err)[:300], "", ""))
-    print(f"{'config':40s} {'states':6s} {'regs':>5s} {'spill/stack':>11s} {'smem':>7s}  sass")
+    print(f"{'config':36s} {'states':6s} {'regs':>5s} {'spill/stack':>11s} {'smem':>7s}  sass")
     for r in rows:
-        print(f"{r[0]:40s} {r[1]:6s} {str(r[2]):>5s} {str(r[3]):>11s} {str(r[4]):>7s}  {r[5]}")
+        print(f"{r[0]:36s} {r[1]:6s} {str(r[2]):>5s} {str(r[3]):>11s} {str(r[4]):>7s}  {r[5]}")
 
 
 if __name__ == "__main__":

@@ -27,29 +27,3 @@ def test_int8_scale_stores_add_no_layout_conversion(cfg):
     assert int8.asm["ttgir"].count("convert_layout") - bf16.asm["ttgir"].count("convert_layout") < 8
     assert int8.asm["ptx"].count("bar.sync") - bf16.asm["ptx"].count("bar.sync") < 16
     assert "st.global.b32" in int8.asm["ptx"]  # the scale stores
-
-
-def _global_loads_before_mainloop(ptx: str) -> tuple[int, int]:
-    """(ld.global before the first wgmma, all ld.global) in the PTX text."""
-    first_mma = ptx.index("wgmma.mma_async")
-    return ptx[:first_mma].count("ld.global"), ptx.count("ld.global")
-
-
-def test_preload_issues_the_epilogue_loads_before_the_mainloop():
-    """Register preload (an experiment: launch.EXPLORE_PRELOAD_CONFIGS): the W and state loads of a
-    tile are issued before its first wgmma, so their latency overlaps the mainloop; its twin without
-    preload issues them all after (the TMA mainloop has no ld.global of its own). Guards against the
-    compiler sinking the loads back into the epilogue, which would make the flag a silent no-op."""
-    from dataclasses import replace
-
-    from forge_optim.kernels.launch import EXPLORE_PRELOAD_CONFIGS
-
-    cfg = next(c for c in EXPLORE_PRELOAD_CONFIGS if c.BM == 64 and c.BN == 64 and not c.prefetch)
-    before, total = _global_loads_before_mainloop(compile_fused(cfg, fused.S_BF16, fused.S_BF16).asm["ptx"])
-    assert before == total > 0
-    before, total = _global_loads_before_mainloop(
-        compile_fused(replace(cfg, preload=False), fused.S_BF16, fused.S_BF16).asm["ptx"])
-    assert before == 0 and total > 0
-    # int8 states: preload is off (launch() and compile_fused alike), the loads stay in the epilogue
-    before, _ = _global_loads_before_mainloop(compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"])
-    assert before == 0

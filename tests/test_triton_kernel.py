@@ -294,117 +294,21 @@ if INTERP:
         job, ref = run_both(job, dy, x)
         compare(job, ref, "int8", f"shape {shape}")
 
-    # preload twins: one program-sized slice, and the epilogue split in 2, 4 and 8 row slices
-    # (_split_tile at the kernel's level, in _epilogue4, and both)
-    PRELOAD_TILINGS = [
-        KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, group_size=2, progs_per_sm=3,
-                     epi_split=1, use_tma=False),
-        KernelConfig(BM=32, BN=64, BK=16, num_warps=4, num_stages=1, group_size=2, progs_per_sm=3,
-                     epi_split=2, use_tma=False),
-        KernelConfig(BM=32, BN=128, BK=16, num_warps=4, num_stages=1, group_size=1, progs_per_sm=2,
-                     epi_split=4, use_tma=False),
-        KernelConfig(BM=64, BN=64, BK=16, num_warps=4, num_stages=1, group_size=2, progs_per_sm=2,
-                     epi_split=8, use_tma=False),
-    ]
-
-    def _record_preload(monkeypatch):
-        """Record the PRELOAD constexpr of every launch (the kernel's last, positional argument)."""
-        from forge_optim.kernels import launch as launch_mod
-
-        real = launch_mod.fused.forge_fused_kernel
-        seen = []
-        assert real.arg_names[-1] == "PRELOAD"
-
-        class Recorder:
-            def __getitem__(self, grid):
-                def run(*args, **kw):
-                    seen.append(args[-1])
-                    return real[grid](*args, **kw)
-                return run
-
-        monkeypatch.setattr(launch_mod.fused, "forge_fused_kernel", Recorder())
-        return seen
-
-    def _preload_and_twin(job, cfg, dy, x):
-        """``job`` updated with the preload variant of ``cfg``, and a copy with preload off."""
-        from dataclasses import replace
-
-        twin = copy.deepcopy(job)
-        TritonBackend(config=replace(cfg, preload=True)).update(job, dy, x)
-        TritonBackend(config=replace(cfg, preload=False)).update(twin, dy, x)
-        return job, twin
-
-    def _assert_same_bits(a, b, what):
-        assert torch.equal(a.weight, b.weight), what
-        for va, vb in zip(a.states, b.states):
-            assert torch.equal(va.data, vb.data), f"{what} {va.spec.name}"
-            if va.quantized:
-                assert torch.equal(va.scale, vb.scale), f"{what} {va.spec.name} scale"
-        if a.nonfinite is not None:
-            assert int(a.nonfinite) == int(b.nonfinite), what
-
-    @pytest.mark.parametrize("buffered", [False, True], ids=["nobuf", "buf"])
-    @pytest.mark.parametrize("mode", ["bf16-sr", "fp32"])
-    @pytest.mark.parametrize("cfg", PRELOAD_TILINGS, ids=lambda c: f"e{c.epi_split}")
-    def test_preload_same_bits_as_twin(cfg, mode, buffered, monkeypatch):
-        """Register preload only moves the loads of W, the states (and the fp32 gradient buffer)
-        before the mainloop: every bit equals the twin config's without preload, on a ragged shape
-        (edge tiles masked in both dimensions), for every epilogue split."""
-        M, N, BT = 70, 192, 37
-        seen = _record_preload(monkeypatch)
-        job = make_job("AdamW", mode, M, N, seed=3)
-        if buffered:
-            job.grad_buffer = torch.randn(M, N, generator=torch.Generator().manual_seed(8))
-        w0 = job.weight.clone()
-        dy, x = exact_inputs(BT, M, N, seed=4)
-        a, b = _preload_and_twin(job, cfg, dy, x)
-        assert seen == [True, False]  # the preload path ran, then the twin's loads
-        assert not torch.equal(a.weight, w0)
-        _assert_same_bits(a, b, f"{cfg.short()} {mode} buf={buffered}")
-
-    @pytest.mark.parametrize("cfg", [PRELOAD_TILINGS[0], PRELOAD_TILINGS[3]], ids=lambda c: f"e{c.epi_split}")
-    def test_preload_ignored_for_int8_states(cfg, monkeypatch):
-        """int8 states keep their loads in the epilogue: launch() turns preload off, so a preload
-        config still serves the job, with the twin's bits (and accumulate mode ignores it too)."""
-        from dataclasses import replace
-
-        M, N, BT = 70, 192, 37
-        seen = _record_preload(monkeypatch)
-        dy, x = exact_inputs(BT, M, N, seed=4)
-        a, b = _preload_and_twin(make_job("AdamW", "int8", M, N, seed=3), cfg, dy, x)
-        assert seen == [False, False]
-        _assert_same_bits(a, b, f"{cfg.short()} int8")
-        buf = torch.zeros(M, N)
-        TritonBackend(config=replace(cfg, preload=True)).accumulate(buf, dy, x)
-        assert seen[-1] is False
-        torch.testing.assert_close(buf, dy.float().t() @ x.float(), rtol=0, atol=0)  # dyadic: exact
-
     @pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
     @pytest.mark.parametrize("gdtype", [torch.bfloat16, torch.float32], ids=["bf16-grad", "fp32-grad"])
-    def test_update_from_grad_reads_the_gradient_in_place(mode, gdtype):
+    def test_update_from_grad_reads_the_gradient_in_place(mode, gdtype, monkeypatch):
         """An unfused parameter's fp32 or bf16 gradient enters the BT=0 launch as its buffer, uncopied,
         in one launch: the same update as the torch backend (stochastic-rounding bits included:
         both hash each element's offset in the whole weight), non-finite coordinates skipped."""
-        from forge_optim.kernels import launch as L
+        import forge_optim.backends.triton_backend as TB
 
         job = make_job("AdamW", mode, M0, N0)
         grad = (torch.randn(M0, N0, generator=torch.Generator().manual_seed(6)) * 1e-2).to(gdtype)
         grad[3, 7] = float("nan")
         ref = copy.deepcopy(job)
-        calls = []
-        real = L.launch
-
-        def counting(**kw):
-            calls.append(kw["grad_buffer"])
-            return real(**kw)
-
-        import forge_optim.backends.triton_backend as TB
-        orig = TB.launch
-        TB.launch = counting
-        try:
-            TritonBackend().update_from_grad(job, grad)
-        finally:
-            TB.launch = orig
+        calls, real = [], TB.launch
+        monkeypatch.setattr(TB, "launch", lambda **kw: (calls.append(kw["grad_buffer"]), real(**kw))[1])
+        TritonBackend().update_from_grad(job, grad)
         assert len(calls) == 1 and calls[0] is grad  # one launch, the gradient itself as the buffer
         TorchBackend(block_rows=32).update_from_grad(ref, grad)
         compare(job, ref, mode, f"from-grad/{mode}/{gdtype}")
@@ -555,7 +459,7 @@ if INTERP:
         arguments of its first launch: they must be exactly what a fresh launch() would pass. Run on
         the CPU with the GPU launch calls recorded instead of executed."""
         from forge_optim.backends import triton_backend as tb
-        from forge_optim.kernels import launch as L
+        import forge_optim.backends.triton_backend as TB
 
         job = make_job("AdamW", "bf16-sr", M0, N0)
         be = TritonBackend()
@@ -680,24 +584,6 @@ def test_explore_configs_only_on_request(monkeypatch):
 
     assert candidate_configs(8192) == LARGE_BT_CONFIGS  # large BT unchanged
     assert all(c.BN % 64 == 0 for c in EXPLORE_SMALL_BT_CONFIGS)
-
-
-def test_preload_configs_are_explore_only():
-    """The register-preload experiment: its configs are never tuned by default, each has a twin
-    without preload, the flag survives FORGE_TRITON_CONFIG, and preload + flatten is refused."""
-    from dataclasses import replace
-
-    from forge_optim.kernels import launch as L
-
-    assert L.EXPLORE_PRELOAD_CONFIGS and all(c.preload and not c.flatten for c in L.EXPLORE_PRELOAD_CONFIGS)
-    for bt in (0, 512, 2048, 8192):
-        assert not any(c.preload for c in L.candidate_configs(bt))
-    assert not any(c.preload for c in L.EXPLORE_SMALL_BT_CONFIGS)
-    for cfg in L.EXPLORE_PRELOAD_CONFIGS:
-        assert L.KernelConfig(**L._parse_cfg(cfg.env())) == cfg
-        assert cfg.short().endswith(" pl") and not replace(cfg, preload=False).short().endswith(" pl")
-    with pytest.raises(ValueError, match="flatten"):
-        L.KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, flatten=True, preload=True)
 
 
 def test_tma_allocator_set_in_every_launching_thread():

@@ -14,9 +14,6 @@ tile it accumulates ``G = dY[:, rows]^T X[:, cols]`` in fp32 registers over the 
 
 With ``PREFETCH`` (GPU only) each tile's W, states and buffer are requested into L2 before its
 mainloop (``_prefetch_l2``), so the epilogue's loads hit L2 (kernel v4 in benchmarks/NOTES.md).
-With ``PRELOAD`` (an experiment, ``launch.EXPLORE_PRELOAD_CONFIGS``) each tile's W, fp32/bf16 states
-and buffer are loaded into registers before its mainloop (``_preload``), so their latency overlaps the
-mainloop instead of following it; the epilogue then only upcasts them. Same math, same bits.
 
 The numerics follow ``backends.torch_backend.apply_update`` op for op; the stochastic-rounding bits
 come from the same uint32 hash as ``precision.hash32``.
@@ -41,9 +38,6 @@ S_UINT8 = 4  # non-negative codes, scale = absmax / 255, positive values floored
 # the three state slots of a two-moment rule (Adam family: m signed, v non-negative) per state_dtype
 ADAM_STATE_KINDS = {"fp32": (S_FP32, S_FP32, S_NONE), "bf16": (S_BF16, S_BF16, S_NONE),
                     "int8": (S_INT8, S_UINT8, S_NONE)}
-
-# the state kinds the register preload (PRELOAD) serves; launch() turns it off for any other
-PRELOAD_KINDS = (S_NONE, S_FP32, S_BF16)
 
 QBLOCK = 64  # columns per int8 scale (precision.INT8_BLOCK)
 
@@ -174,64 +168,30 @@ def _store_scales(sc_ptr, scale, mask, offs_m, blk0, NSB, BM: tl.constexpr, BN: 
 
 
 @jit
-def _block_addr(row0, col0, M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """The [BM, BN] block at (row0, col0) of a row-major [M, N] tensor: its row indices, its in-range
-    mask, and its addresses as a 64-bit scalar base plus 32-bit in-block offsets (fewer registers)."""
-    offs_m = row0 + tl.arange(0, BM)
-    offs_n = col0 + tl.arange(0, BN)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    base = row0.to(tl.int64) * N + col0
-    rel = tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :]
-    return offs_m, mask, base, rel
-
-
-@jit
-def _preload(w_ptr, s0_ptr, s1_ptr, s2_ptr, buf_ptr, row0, col0, M, N,
-             HAS_BUF: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr):
-    """Register preload: the [BM, BN] block at (row0, col0) of W, its states and the gradient buffer,
-    loaded as stored (bf16 stays bf16: half the registers while they wait) with the
-    epilogue's addresses and masks. Issued before a tile's mainloop, so the loads' latency overlaps
-    it; ``_epilogue`` with PRELOAD then reads these values instead of loading. Returns
-    (w, s0, s1, s2, buf), fp32 zeros for an absent slot (what ``_load_state`` gives for S_NONE).
-    fp32/bf16 states only: launch() turns PRELOAD off for int8 states and the accumulate mode."""
-    tl.static_assert(S0 <= 2 and S1 <= 2 and S2 <= 2, "PRELOAD takes fp32 or bf16 states only")
-    _, mask, base, rel = _block_addr(row0, col0, M, N, BM, BN)
-    zero = tl.zeros((BM, BN), dtype=tl.float32)
-    w = tl.load(w_ptr + base + rel, mask=mask, other=0.0)
-    s0 = tl.load(s0_ptr + base + rel, mask=mask, other=0.0) if S0 != 0 else zero
-    s1 = tl.load(s1_ptr + base + rel, mask=mask, other=0.0) if S1 != 0 else zero
-    s2 = tl.load(s2_ptr + base + rel, mask=mask, other=0.0) if S2 != 0 else zero
-    b = tl.load(buf_ptr + base + rel, mask=mask, other=0.0) if HAS_BUF else zero
-    return w, s0, s1, s2, b
-
-
-@jit
-def _epilogue(acc, pre, row0, col0,
+def _epilogue(acc, row0, col0,
               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr,
               M, N, NSB,
               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
               UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
               W_BF16: tl.constexpr, W_SR: tl.constexpr,
               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-              PRELOAD: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+              INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Update the [BM, BN] block at (row0, col0) of W and its states from the fp32 gradient acc.
 
-    With PRELOAD, ``pre`` holds this block's W, states and gradient buffer as loaded by ``_preload``
-    before the mainloop, and they are not loaded here; otherwise ``pre`` is unused (placeholders).
     Addresses are a 64-bit scalar tile base plus 32-bit in-tile offsets (fewer registers).
     """
-    offs_m, mask, base, rel = _block_addr(row0, col0, M, N, BM, BN)
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = col0 + tl.arange(0, BN)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    base = row0.to(tl.int64) * N + col0
+    rel = tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :]
     if MODE == 1:
         b = tl.load(buf_ptr + base + rel, mask=mask, other=0.0)
         tl.store(buf_ptr + base + rel, b + acc, mask=mask)
     else:
         g = acc
-        if HAS_BUF:
-            if PRELOAD:  # (an fp32 buffer, or a bf16 gradient read in place: exact upcast)
-                g = g + pre[4].to(tl.float32)
-            else:
-                g = g + tl.load(buf_ptr + base + rel, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BUF:  # an fp32 buffer, or a bf16 gradient read in place (update_from_grad): exact upcast
+            g = g + tl.load(buf_ptr + base + rel, mask=mask, other=0.0).to(tl.float32)
         g = g * grad_sign
         # linear offset of each element in the whole weight, mod 2**32 (hash input for SR)
         hoff = rel.to(tl.uint32) + base.to(tl.uint32)
@@ -240,16 +200,10 @@ def _epilogue(acc, pre, row0, col0,
         s0_t = s0_ptr + base
         s1_t = s1_ptr + base
         s2_t = s2_ptr + base
-        if PRELOAD:  # loaded as stored before the mainloop: only the (exact) upcast is left
-            w_old = pre[0].to(tl.float32)
-            s0_old = pre[1].to(tl.float32)
-            s1_old = pre[2].to(tl.float32)
-            s2_old = pre[3].to(tl.float32)
-        else:
-            w_old = tl.load(w_t + rel, mask=mask, other=0.0).to(tl.float32)
-            s0_old = _load_state(s0_t, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
-            s1_old = _load_state(s1_t, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
-            s2_old = _load_state(s2_t, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
+        w_old = tl.load(w_t + rel, mask=mask, other=0.0).to(tl.float32)
+        s0_old = _load_state(s0_t, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
+        s1_old = _load_state(s1_t, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
+        s2_old = _load_state(s2_t, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
         w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old,
                                                c0, c1, c2, c3, c4, c5, c6, c7)
         finite = tl.abs(g) < float("inf")  # False for NaN and +-Inf
@@ -301,47 +255,34 @@ def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @jit
-def _split_tile(acc, pre, BM: tl.constexpr, BN: tl.constexpr):
-    """A gradient tile and its preloaded operands (``_preload``'s 5-tuple) -> the same for rows
-    [0, BM/2), then for rows [BM/2, BM). (Placeholders split into unused halves the compiler drops.)"""
-    a0, a1 = _split_rows(acc, BM, BN)
-    w0, w1 = _split_rows(pre[0], BM, BN)
-    s00, s01 = _split_rows(pre[1], BM, BN)
-    s10, s11 = _split_rows(pre[2], BM, BN)
-    s20, s21 = _split_rows(pre[3], BM, BN)
-    b0, b1 = _split_rows(pre[4], BM, BN)
-    return a0, (w0, s00, s10, s20, b0), a1, (w1, s01, s11, s21, b1)
-
-
-@jit
-def _epilogue4(acc, pre, row0, col0,
+def _epilogue4(acc, row0, col0,
                w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
                W_BF16: tl.constexpr, W_SR: tl.constexpr,
                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-               PRELOAD: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+               INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """The epilogue on four [BM/4, BN] row slices, one after another (fewer live registers)."""
     Q: tl.constexpr = BM // 4
-    a0, p0, a1, p1 = _split_tile(acc, pre, BM, BN)
-    a00, p00, a01, p01 = _split_tile(a0, p0, BM // 2, BN)
-    a10, p10, a11, p11 = _split_tile(a1, p1, BM // 2, BN)
-    _epilogue(a00, p00, row0, col0,
+    a0, a1 = _split_rows(acc, BM, BN)
+    a00, a01 = _split_rows(a0, BM // 2, BN)
+    a10, a11 = _split_rows(a1, BM // 2, BN)
+    _epilogue(a00, row0, col0,
               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET, Q, BN)
-    _epilogue(a01, p01, row0 + Q, col0,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    _epilogue(a01, row0 + Q, col0,
               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET, Q, BN)
-    _epilogue(a10, p10, row0 + 2 * Q, col0,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    _epilogue(a10, row0 + 2 * Q, col0,
               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET, Q, BN)
-    _epilogue(a11, p11, row0 + 3 * Q, col0,
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    _epilogue(a11, row0 + 3 * Q, col0,
               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET, Q, BN)
+              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
 
 
 # BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
@@ -356,12 +297,8 @@ def forge_fused_kernel(
         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
         DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, PREFETCH: tl.constexpr, PRELOAD: tl.constexpr):
+        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, PREFETCH: tl.constexpr):
     """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
-    # the preload is issued for the mainloop's tile and consumed by the epilogue's: with FLATTEN the
-    # two may differ (KernelConfig refuses the pair); the accumulate mode has nothing to preload
-    # but the buffer (launch() turns PRELOAD off there, and for int8 states)
-    tl.static_assert(not (PRELOAD and (FLATTEN or MODE == 1)), "PRELOAD needs MODE_UPDATE without FLATTEN")
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -391,11 +328,6 @@ def forge_fused_kernel(
                 if S2 != 0:
                     _prefetch_l2(s2_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if PRELOAD:  # the epilogue's operands into registers: their latency overlaps the mainloop
-            pre = _preload(w_ptr, s0_ptr, s1_ptr, s2_ptr, buf_ptr, pid_m * BM, pid_n * BN, M, N,
-                           HAS_BUF, S0, S1, S2, BM, BN)
-        else:  # placeholders, never read
-            pre = (acc, acc, acc, acc, acc)
         for kt in range(0, k_tiles):
             k0 = kt * BK
             if USE_TMA:
@@ -417,38 +349,34 @@ def forge_fused_kernel(
         row0 = pid_mc * BM
         col0 = pid_nc * BN
         if EPI_SPLIT == 1:
-            _epilogue(acc, pre, row0, col0,
+            _epilogue(acc, row0, col0,
                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET,
-                      BM, BN)
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)
         elif EPI_SPLIT == 2:
             H: tl.constexpr = BM // 2
-            a0, p0, a1, p1 = _split_tile(acc, pre, BM, BN)
-            _epilogue(a0, p0, row0, col0,
+            a0, a1 = _split_rows(acc, BM, BN)
+            _epilogue(a0, row0, col0,
                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET, H, BN)
-            _epilogue(a1, p1, row0 + H, col0,
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
+            _epilogue(a1, row0 + H, col0,
                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET, H, BN)
+                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
         elif EPI_SPLIT == 4:
-            _epilogue4(acc, pre, row0, col0,
+            _epilogue4(acc, row0, col0,
                        w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET,
-                       BM, BN)
+                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)
         else:  # 8 row slices
             H8: tl.constexpr = BM // 2
-            a0, p0, a1, p1 = _split_tile(acc, pre, BM, BN)
-            _epilogue4(a0, p0, row0, col0,
+            a0, a1 = _split_rows(acc, BM, BN)
+            _epilogue4(a0, row0, col0,
                        w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET,
-                       H8, BN)
-            _epilogue4(a1, p1, row0 + H8, col0,
+                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN)
+            _epilogue4(a1, row0 + H8, col0,
                        w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, PRELOAD, INTERPRET,
-                       H8, BN)
+                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN)

@@ -39,18 +39,12 @@ class KernelConfig:
     flatten: bool = False  # one flattened tile x K loop: the next tile's loads overlap this epilogue
     maxnreg: int = 0  # >0: register cap per thread (more resident programs per SM, maybe spills)
     prefetch: bool = False  # L2-prefetch each tile's W/states before its mainloop (GPU only)
-    # load each tile's W, states and grad buffer into registers before its mainloop (experiment; not
-    # with flatten; launch() ignores it for int8 states and the accumulate mode)
-    preload: bool = False
 
     def __post_init__(self):
         if self.BN % 64 != 0:
             raise ValueError(f"BN={self.BN} must be a multiple of 64 (int8 scale blocks)")
         if self.epi_split not in (1, 2, 4, 8) or self.BM % (self.epi_split * 8) != 0:
             raise ValueError(f"epi_split={self.epi_split} must be 1, 2, 4 or 8 and leave >= 8 rows per slice")
-        if self.preload and self.flatten:
-            raise ValueError("preload=True cannot be combined with flatten=True: with a flattened loop the "
-                             "epilogue's tile is not the tile whose operands were preloaded")
 
     def env(self) -> str:
         """This config as a ``FORGE_TRITON_CONFIG`` value (every launch then uses it, no tuning)."""
@@ -58,7 +52,7 @@ class KernelConfig:
 
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
-                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}{' pl' if self.preload else ''}")
+                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -116,23 +110,6 @@ EXPLORE_SMALL_BT_CONFIGS = (
     KernelConfig(64, 128, 128, 4, 2, 8, 2, 8, maxnreg=168, prefetch=True),  # 98 KB smem: 2 per SM
     KernelConfig(64, 256, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
-)
-
-
-# Not tuned at all (benchmarks/preload_check.py times them against their twins): register preload of
-# each tile's W/states before its mainloop, on the small-BT winners (with and without the L2 prefetch)
-# and on the large-BT v1 winner. The epilogue at BT=512 looks latency-bound (NOTES.md, fourth session:
-# time ~ mainloop + epilogue); the preload moves the loads' latency under the mainloop.
-EXPLORE_PRELOAD_CONFIGS = (
-    KernelConfig(64, 64, 64, 4, 3, 8, 4, 4, maxnreg=128, prefetch=True, preload=True),
-    KernelConfig(64, 64, 64, 4, 3, 8, 4, 4, maxnreg=128, preload=True),
-    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, preload=True),
-    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, preload=True),
-    KernelConfig(128, 128, 64, 8, 4, 8, 1, 4, preload=True),
-    # the 64x64 preload spills ~240 B under the 128-register cap (offline sm_90a, bf16 states; 0 B
-    # without preload): the same with 168 registers and 3 programs per SM spills 48-60 B
-    KernelConfig(64, 64, 64, 4, 3, 8, 3, 4, maxnreg=168, prefetch=True, preload=True),
-    KernelConfig(64, 64, 64, 4, 3, 8, 3, 4, maxnreg=168, preload=True),
 )
 
 
@@ -252,8 +229,6 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             _ensure_allocator()
     accumulate = mode == fused.MODE_ACCUMULATE
     buf = weight if accumulate else grad_buffer
-    # the register preload serves W and fp32/bf16 states only: off for int8 states and for accumulate
-    preload = cfg.preload and not accumulate and all(k in fused.PRELOAD_KINDS for k in kinds)
     w_bf16 = weight.dtype == torch.bfloat16
     dot_prec = "ieee" if (dy.dtype == torch.float32 or x.dtype == torch.float32) else "tf32"
     args = (dy, x, weight, ptrs[0], ptrs[1], ptrs[2], scales[0], scales[1], scales[2],
@@ -269,7 +244,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             0 if accumulate else kinds[0], 0 if accumulate else kinds[1], 0 if accumulate else kinds[2],
             bool(stochastic_state), dot_prec, interp, use_tma,
             cfg.BM, cfg.BN, cfg.BK, cfg.group_size, cfg.epi_split, cfg.flatten and not interp,
-            cfg.prefetch and not interp, preload)
+            cfg.prefetch and not interp)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg and not interp:
         options["maxnreg"] = cfg.maxnreg
@@ -406,7 +381,7 @@ class Tuner:
         return results[0][1]
 
 
-_BOOL_FIELDS = ("use_tma", "flatten", "prefetch", "preload")
+_BOOL_FIELDS = ("use_tma", "flatten", "prefetch")
 
 
 def _parse_cfg(text: str) -> dict:

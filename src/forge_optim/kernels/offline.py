@@ -10,11 +10,9 @@ from ..rules import RULES
 from . import fused
 
 
-def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True, in_dtype="bf16",
-                  preload=None):
+def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True, in_dtype="bf16"):
     """The fused kernel (MODE_UPDATE, stochastic rounding, non-finite count) for KernelConfig ``cfg`` with
     state kinds ``s_kind``/``s1_kind`` (fused.S_*), specialized as the runtime would for our shapes.
-    ``preload`` (default: ``cfg.preload``, off for int8 states as launch() does) sets PRELOAD.
     Needs a Triton whose ``triton.jit`` is not the interpreter's (TRITON_INTERPRET unset)."""
     fn = fused.forge_fused_kernel
     names = fn.arg_names
@@ -24,12 +22,10 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
     ptr["s0_ptr"] = sdt[s_kind]
     ptr["s1_ptr"] = sdt[s1_kind]
     ptr["s2_ptr"] = "*fp32"
-    if preload is None:
-        preload = cfg.preload and s_kind in fused.PRELOAD_KINDS and s1_kind in fused.PRELOAD_KINDS
     consts = dict(UPDATE=RULES[rule].triton_update, MODE=0, HAS_BUF=False, HAS_NF=True, W_BF16=w_bf16, W_SR=True,
                   S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
                   BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
-                  EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch, PRELOAD=preload)
+                  EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch)
     sig = {}
     for n in names:
         if n in consts:
