@@ -47,6 +47,7 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
     for key in ("date", "device", "versions", "command", "model", "batch_size", "seq_len", "methods", "params"):
         assert key in res
     assert res["versions"]["torch"] and res["versions"]["transformers"]
+    assert res["source_digest"] == bench.source_digest() and len(res["source_digest"]) == 12  # which code ran
     assert res["device"].startswith("cpu") and res["model"] == "tiny"
     assert list(res["methods"]) == ["none", "forge-bf16", "torch-foreach-adamw", "flashoptim"]
     for m in ("none", "forge-bf16", "torch-foreach-adamw"):

@@ -185,6 +185,19 @@ def _git_commit() -> str | None:
         return None
 
 
+def source_digest() -> str:
+    """sha256 (12 hex digits) of the package's .py sources: which code ran, even where the checkout's
+    git metadata is stale or absent (a copied tree on a lent machine). ``git ls-tree``-independent:
+    compare with this function's value on a checkout."""
+    import hashlib
+
+    pkg = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(f.relative_to(pkg).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def _peer_installed(method: str) -> bool:
     mod = PEERS[method][0]
     try:
@@ -254,6 +267,7 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
                                                   ("torch-optimi", "torch-optimi"), ("flashoptim", "flashoptim"),
                                                   ("bitsandbytes", "bitsandbytes"), ("torchao", "torchao"))},
         "git_commit": _git_commit(),
+        "source_digest": source_digest(),
         "device": None,  # filled from the first worker (the driver never initializes CUDA)
         "device_type": ns.device,
         "model": model_name,
