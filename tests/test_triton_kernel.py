@@ -459,7 +459,7 @@ if INTERP:
         arguments of its first launch: they must be exactly what a fresh launch() would pass. Run on
         the CPU with the GPU launch calls recorded instead of executed."""
         from forge_optim.backends import triton_backend as tb
-        import forge_optim.backends.triton_backend as TB
+        from forge_optim.kernels import launch as L
 
         job = make_job("AdamW", "bf16-sr", M0, N0)
         be = TritonBackend()
