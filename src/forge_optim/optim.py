@@ -40,6 +40,20 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.view(_shape_2d(t))
 
 
+def _cat_rows(ts: list, cols: int) -> torch.Tensor:
+    """[sum of rows, cols]: the tensors' rows of width ``cols``, one after another (1-D tensors, the
+    common case of norm weights and biases, are concatenated without a view op each)."""
+    if all(t.dim() == 1 for t in ts):
+        return torch.cat(ts).view(-1, cols)
+    return torch.cat([t.reshape(-1, cols) for t in ts])
+
+
+def _copy_rows_back(dst: list, flat: torch.Tensor) -> None:
+    """The inverse of ``_cat_rows``: copy consecutive pieces of ``flat`` into the tensors of ``dst``."""
+    pieces = flat.view(-1).split([t.numel() for t in dst])
+    torch._foreach_copy_(dst, [p if d.dim() == 1 else p.view(d.shape) for d, p in zip(dst, pieces)])
+
+
 class FusedWeight:
     """Links one fused weight to its optimizer: counts pending uses, buffers, updates."""
 
@@ -559,17 +573,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 st["step"].copy_(step)
         cols = ps[0].shape[-1]
         rows = [p.numel() // cols for p in ps]
-        flat = lambda ts: torch.cat([t.reshape(-1, cols) for t in ts])  # noqa: E731
-        w = flat([p.detach() for p in ps])
-        grad = flat([p.grad for p in ps])
+        w = _cat_rows(ps, cols)  # (step() runs without grad: the parameters are read and written as they are)
+        grad = _cat_rows([p.grad for p in ps], cols)
         views, outs = [], []
         for spec in specs:
-            data = flat([st[spec.name] for st in states])
+            data = _cat_rows([st[spec.name] for st in states], cols)
             scale = None
             if data.dtype in (torch.int8, torch.uint8):
-                scale = torch.cat([st[spec.name + "_scale"].reshape(-1, st[spec.name + "_scale"].shape[-1])
-                                   for st in states])
-                outs.append(([st[spec.name + "_scale"] for st in states], scale))
+                scales = [st[spec.name + "_scale"] for st in states]
+                scale = _cat_rows(scales, scales[0].shape[-1])
+                outs.append((scales, scale))
             views.append(StateView(spec, data, scale))
             outs.append(([st[spec.name] for st in states], data))
         coeffs, key_weight, keys = scalars[0]
@@ -579,9 +592,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             stochastic_weight=self.stochastic_rounding, stochastic_state=self.stochastic_rounding,
             key_weight=key_weight, key_states=keys, nonfinite=None)  # counted per parameter below
         self._backend_for(ps[0]).update_from_grad(job, grad)
-        torch._foreach_copy_([p.detach() for p in ps], [t.view(p.shape) for p, t in zip(ps, w.split(rows))])
-        for dst, src in outs:  # states and int8 scales have one row per row of their parameter
-            torch._foreach_copy_(dst, [t.view(d.shape) for d, t in zip(dst, src.split(rows))])
+        _copy_rows_back(ps, w)
+        for dst, src in outs:
+            _copy_rows_back(dst, src)
         # the kernel left non-finite coordinates unchanged; count them for each parameter
         bad = torch.isfinite(grad).logical_not_().sum(1)
         per_param = list(bad.unbind()) if all(r == 1 for r in rows) else [b.sum() for b in bad.split(rows)]
