@@ -395,3 +395,23 @@ def test_sparse_embedding_step_skips_nonfinite_coordinates():
     assert opt.nonfinite_counts() == {"weight": 1}
     assert emb.weight[9, 5] == before[9, 5]
     assert (emb.weight[9, :5] != before[9, :5]).all() and (emb.weight[0] != before[0]).all()  # decay moves rows
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_sparse_embedding_step_allocates_nothing_table_sized(state_dtype):
+    """opt.step() on a row-sparse embedding gradient never builds a [vocab, dim] tensor: the zero-gradient
+    update runs over the table in place (in block_rows blocks on the torch backend, in the kernel's
+    registers on the GPU) and only the touched rows are gathered."""
+    vocab, dim, block = 1000, 64, 64  # (int8 blocks pad a row to a multiple of 64)
+    emb = nn.Embedding(vocab, dim)
+    opt = forge_optim.AdamW(emb, lr=1e-2, state_dtype=state_dtype, block_rows=block)
+    for step in range(3):
+        ids = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(step))
+        (emb(ids) * torch.randn(3, 5, dim)).sum().backward()
+        rec = _AllocRecorder()
+        with rec:
+            opt.step()
+        opt.zero_grad()
+        if step > 0:  # (the first step creates the table-sized states themselves)
+            biggest = max(n for n, _, _ in rec.sizes)
+            assert biggest <= block * dim, sorted(rec.sizes, key=lambda r: r[0])[-5:]

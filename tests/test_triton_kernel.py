@@ -586,6 +586,22 @@ def test_explore_configs_only_on_request(monkeypatch):
     assert all(c.BN % 64 == 0 for c in EXPLORE_SMALL_BT_CONFIGS)
 
 
+def test_elementwise_jobs_tune_once_per_power_of_two_rows():
+    """An embedding's touched rows change in number every step: element-wise (BT=0) jobs share a tuning
+    key per power of two of rows (no re-tuning every step); a fused layer's key keeps its exact shape."""
+    from forge_optim.backends.triton_backend import TritonBackend, launch_kwargs
+
+    be = TritonBackend()
+    keys = []
+    be.tuner.pick = lambda key, bt, run: keys.append(key)
+    for rows, bt in ((500, 0), (510, 0), (512, 0), (513, 0), (500, 16), (510, 16)):
+        job = make_job("AdamW", "bf16-sr", rows, 64)
+        dy, x = torch.empty(bt, rows, dtype=torch.bfloat16), torch.empty(bt, 64, dtype=torch.bfloat16)
+        be._config(job, dy, x, launch_kwargs(job, dy, x))
+    shapes = [k[0] for k in keys]
+    assert shapes == [(512, 64), (512, 64), (512, 64), (1024, 64), (500, 64), (510, 64)]
+
+
 def test_tma_allocator_set_in_every_launching_thread():
     """Triton's allocator is a ContextVar (per thread); backward launches from autograd's threads."""
     import threading
