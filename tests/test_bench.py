@@ -56,6 +56,9 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["ms_median"] > 0 and len(r["ms_all"]) == 3 and r["ms_iqr"][0] <= r["ms_median"] <= r["ms_iqr"][1]
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0
         assert r["memory"] == "needs CUDA" and "peak_gib" not in r
+        hc = r["host_cpu"]  # where the host's time went during the timed steps (Linux /proc)
+        assert hc["wall_s"] > 0 and hc["threads"] and hc["process_cpu_s"] > 0
+        assert 0 <= hc["machine_busy_share"] <= 1
     assert res["methods"]["forge-bf16"]["fused_modules"] == 2 * 7 + 1
     assert res["methods"]["flashoptim"]["status"] == "skipped (not installed)"
     assert res["reference"] == "torch-foreach-adamw"

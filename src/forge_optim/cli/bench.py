@@ -198,6 +198,48 @@ def source_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def host_cpu_sample() -> dict:
+    """CPU time of this process's threads (Linux /proc; empty elsewhere), of the whole machine, and the
+    wall clock: ``host_cpu_delta`` turns two samples into where the host's time went during the timed
+    steps (a busy second thread, or other processes, slow the step's dispatch: NOTES.md, int8)."""
+    out = {"wall": time.perf_counter(), "threads": {}, "machine": None}
+    task = Path("/proc/self/task")
+    if not task.is_dir():
+        return out
+    for t in task.iterdir():
+        try:
+            stat = (t / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            out["threads"][t.name] = ((t / "comm").read_text().strip(), int(fields[11]) + int(fields[12]))
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    try:
+        cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        vals = [int(v) for v in cpu]
+        out["machine"] = (sum(vals), vals[3] + (vals[4] if len(vals) > 4 else 0))  # (total, idle + iowait)
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def host_cpu_delta(a: dict, b: dict) -> dict:
+    """Seconds of CPU per thread between two samples (the 6 busiest), and the machine's busy share."""
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    wall = b["wall"] - a["wall"]
+    busy = []
+    for tid, (name, ticks) in b["threads"].items():
+        d = ticks - a["threads"].get(tid, (name, 0))[1]
+        if d > 0:
+            busy.append({"thread": f"{name}:{tid}", "cpu_s": round(d / hz, 3)})
+    busy.sort(key=lambda x: -x["cpu_s"])
+    out = {"wall_s": round(wall, 3), "process_cpu_s": round(sum(x["cpu_s"] for x in busy), 3),
+           "threads": busy[:6], "cpus": os.cpu_count()}
+    if a["machine"] and b["machine"]:
+        tot, idle = b["machine"][0] - a["machine"][0], b["machine"][1] - a["machine"][1]
+        out["machine_busy_share"] = round(1 - idle / tot, 3) if tot > 0 else None
+    return out
+
+
 def _peer_installed(method: str) -> bool:
     mod = PEERS[method][0]
     try:
@@ -832,10 +874,12 @@ def _worker(ns, m: str, r: dict, save) -> None:
         torch.cuda.reset_peak_memory_stats()  # steady-state peak from here
     r["phase"] = "measure"
     times, losses = [], []
+    cpu0 = host_cpu_sample()
     for _ in range(ns.steps):
         ms, loss = timed_step()
         times.append(ms)
         losses.append(loss.detach())
+    r["host_cpu"] = host_cpu_delta(cpu0, host_cpu_sample())
     med = statistics.median(times)
     qs = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [med, med, med]
     tokens = B * S
