@@ -462,7 +462,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if grad.shape != w2d.shape:
                 raise RuntimeError(f"sparse gradient of '{self._param_names.get(id(p), '?')}' has shape "
                                    f"{tuple(grad.shape)}; forge_optim steps row-sparse 2-D gradients (embeddings)")
-            self._apply_row_sparse(self._backend_for(p), job, RowSparseGrad(grad))
+            self._backend_for(p).update_from_row_sparse(job, RowSparseGrad(grad))
         else:  # cast to fp32 chunk by chunk by the backend
             self._backend_for(p).update_from_grad(job, _as_2d(dtensor.local(grad).contiguous()))
         if not contiguous:
@@ -471,33 +471,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise FloatingPointError(
                 f"non-finite gradient in '{self._param_names.get(id(p), '?')}': weights and states of those "
                 "coordinates were left unchanged (nonfinite='raise')")
-
-    @staticmethod
-    def _apply_row_sparse(backend, job: UpdateJob, grad: RowSparseGrad) -> None:
-        """The update on a row-sparse gradient without densifying it. Every row is updated once with a
-        zero gradient (weight decay and moment decay move untouched rows too): one launch over the
-        table, no gradient tensor. The touched rows are gathered *before* it, updated from their
-        old values and gradient, and written over its result: each row gets exactly one update."""
-        idx = grad.index
-        w2d = job.weight
-        touched = UpdateJob(
-            weight=w2d.index_select(0, idx), rule=job.rule, coeffs=job.coeffs,
-            states=[StateView(v.spec, v.data.index_select(0, idx), None if v.scale is None else v.scale.index_select(0, idx))
-                    for v in job.states],
-            grad_sign=job.grad_sign, stochastic_weight=job.stochastic_weight, stochastic_state=job.stochastic_state,
-            # the gathered rows' offsets restart at 0: their own random stream
-            key_weight=precision.site_key(job.key_weight, precision.SITE_GATHERED),
-            key_states=tuple(precision.site_key(k, precision.SITE_GATHERED) for k in job.key_states),
-            nonfinite=job.nonfinite)
-        dtype = w2d.dtype if w2d.dtype in (torch.float32, torch.bfloat16) else torch.float32
-        backend.update(job, w2d.new_empty((0, w2d.shape[0]), dtype=dtype), w2d.new_empty((0, w2d.shape[1]), dtype=dtype))
-        if idx.numel():
-            backend.update_from_grad(touched, grad.values)
-            w2d.index_copy_(0, idx, touched.weight)
-            for v, t in zip(job.states, touched.states):
-                v.data.index_copy_(0, idx, t.data)
-                if v.scale is not None:
-                    v.scale.index_copy_(0, idx, t.scale)
 
     @torch.no_grad()
     def step(self, closure=None):

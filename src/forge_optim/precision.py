@@ -15,7 +15,7 @@ UNSIGNED_QMAX = 255.0  # non-negative states (v): uint8 in [0, 255], floored to 
 
 # Stores that draw random bits; each gets its own stream so W and m never share a draw.
 SITE_WEIGHT, SITE_STATE0 = 0, 1
-# A row-sparse step's gathered rows (optim._apply_row_sparse) re-key their site's key with this.
+# A row-sparse step's gathered rows (Backend.update_from_row_sparse) re-key their site's key with this.
 SITE_GATHERED = 0x51
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import precision
 from ..rules.base import Rule, StateSpec
 
 
@@ -63,6 +64,39 @@ class Backend:
         norms, tied weights, or an accumulation buffer flushed by ``opt.step()``)."""
         raise NotImplementedError
 
+    def update_from_row_sparse(self, job: UpdateJob, grad: "RowSparseGrad") -> None:
+        """The update on a row-sparse gradient without densifying it. Every row is updated once with a
+        zero gradient (weight decay and moment decay move untouched rows too): one update over the
+        table, no gradient tensor. The touched rows are gathered *before* it, updated from their
+        old values and gradient, and written over its result: each row gets exactly one update."""
+        idx = grad.index
+        w2d = job.weight
+        touched = UpdateJob(
+            weight=w2d.index_select(0, idx), rule=job.rule, coeffs=job.coeffs,
+            states=[StateView(v.spec, v.data.index_select(0, idx), None if v.scale is None else v.scale.index_select(0, idx))
+                    for v in job.states],
+            grad_sign=job.grad_sign, stochastic_weight=job.stochastic_weight, stochastic_state=job.stochastic_state,
+            # the gathered rows' offsets restart at 0: their own random stream
+            key_weight=precision.site_key(job.key_weight, precision.SITE_GATHERED),
+            key_states=tuple(precision.site_key(k, precision.SITE_GATHERED) for k in job.key_states),
+            nonfinite=job.nonfinite)
+        self.update(job, *no_tokens(w2d))
+        if idx.numel():
+            self.update_from_grad(touched, grad.values)
+            w2d.index_copy_(0, idx, touched.weight)
+            for v, t in zip(job.states, touched.states):
+                v.data.index_copy_(0, idx, t.data)
+                if v.scale is not None:
+                    v.scale.index_copy_(0, idx, t.scale)
+
+
+def no_tokens(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dY [0, rows] and X [0, cols] for ``weight``: an update with them has a zero gradient (plus the
+    job's gradient buffer, if any), i.e. the element-wise update alone."""
+    dtype = weight.dtype if weight.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    rows, cols = weight.shape
+    return weight.new_empty((0, rows), dtype=dtype), weight.new_empty((0, cols), dtype=dtype)
+
 
 # Rows per chunk when a whole gradient is given: ~16M elements, so temporaries stay ~64 MiB each
 # and a 128256 x 4096 embedding takes 32 chunks, not 500 (launch-bound) or 1 (10 GiB of temporaries).
@@ -78,7 +112,6 @@ class RowSparseGrad:
         if g.sparse_dim() != 1 or g.dim() != 2:
             raise ValueError(f"expected a row-sparse 2-D gradient (an embedding's), got sparse_dim="
                              f"{g.sparse_dim()} of a {g.dim()}-D tensor")
-        self.shape = tuple(g.shape)
         self.index = g.indices()[0]
         self.values = g.values()
 

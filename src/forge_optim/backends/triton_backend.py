@@ -14,7 +14,7 @@ from .._triton import interpreting
 from ..kernels import fused
 from ..kernels import launch as _launch
 from ..kernels.launch import KernelConfig, Tuner, _i32, bt_regime, launch, state_kind
-from .base import Backend, StateView, UpdateJob, grad_rows, row_chunks
+from .base import Backend, StateView, UpdateJob, grad_rows, no_tokens, row_chunks
 from .torch_backend import TorchBackend
 
 _FLOAT_IN = (torch.float32, torch.bfloat16, torch.float16)
@@ -105,11 +105,9 @@ class TritonBackend(Backend):
         time, one launch per chunk."""
         w = job.weight
         rows, cols = w.shape
-        dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
         if (grad.dtype in (torch.float32, torch.bfloat16) and grad.shape == w.shape and grad.is_contiguous()
                 and job.grad_buffer is None):
-            self.update(replace(job, grad_buffer=grad), w.new_empty((0, rows), dtype=dtype),
-                        w.new_empty((0, cols), dtype=dtype))
+            self.update(replace(job, grad_buffer=grad), *no_tokens(w))
             return
         for i, (r0, r1) in enumerate(row_chunks(rows, cols)):
             sub = UpdateJob(
@@ -121,9 +119,7 @@ class TritonBackend(Backend):
                 # offsets restart in each chunk: give each chunk its own random stream
                 key_weight=_chunk_key(job.key_weight, i),
                 key_states=tuple(_chunk_key(k, i) for k in job.key_states), nonfinite=job.nonfinite)
-            dy = w.new_empty((0, r1 - r0), dtype=dtype)
-            x = w.new_empty((0, cols), dtype=dtype)
-            self.update(sub, dy, x)
+            self.update(sub, *no_tokens(sub.weight))
 
     def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy, x = _inputs(dy, x)
