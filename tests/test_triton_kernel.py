@@ -277,10 +277,18 @@ if INTERP:
                      epi_split=8, use_tma=False),
         KernelConfig(BM=64, BN=64, BK=32, num_warps=4, num_stages=1, group_size=1, progs_per_sm=1,
                      epi_split=1, use_tma=False),
+        # the next slices' loads issued before the current slice's stores (epi_lookahead)
+        KernelConfig(BM=32, BN=128, BK=16, num_warps=4, num_stages=1, group_size=3, progs_per_sm=2,
+                     epi_split=2, use_tma=False, epi_lookahead=1),
+        KernelConfig(BM=64, BN=64, BK=16, num_warps=4, num_stages=1, group_size=2, progs_per_sm=2,
+                     epi_split=4, use_tma=False, epi_lookahead=1),
+        KernelConfig(BM=64, BN=128, BK=32, num_warps=4, num_stages=1, group_size=1, progs_per_sm=2,
+                     epi_split=8, use_tma=False, epi_lookahead=2),
     ])
     @pytest.mark.parametrize("mode", ["fp32", "int8"])
     def test_other_tilings(cfg, mode):
-        """Epilogue split in two halves, a single program, other swizzles: same result."""
+        """Epilogue split in two, four or eight row slices (their loads issued in order or ahead), a
+        single program, other swizzles: same result."""
         job = make_job("AdamW", mode, 50, 200)
         dy, x = exact_inputs(13, 50, 200)
         job, ref = run_both(job, dy, x, backend=TritonBackend(config=cfg))

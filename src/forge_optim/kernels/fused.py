@@ -97,18 +97,32 @@ def _rint(x, INTERPRET: tl.constexpr):
 
 
 @jit
-def _load_state(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
-                KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
+              KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """One state of a [BM, BN] block as stored: values (fp32/bf16) or codes plus their [BM, BN/64]
+    scales, not yet converted, so that a slice's loads can be issued early (``_epilogue_slices``) at
+    the cost of its packed registers only."""
     if KIND == 0:
-        return tl.zeros((BM, BN), dtype=tl.float32)
+        return tl.zeros((BM, BN), dtype=tl.float32), tl.zeros((BM, BN // 64), dtype=tl.float32)
     elif KIND == 1 or KIND == 2:
-        return tl.load(s_ptr + lin, mask=mask, other=0.0).to(tl.float32)
+        return tl.load(s_ptr + lin, mask=mask, other=0.0), tl.zeros((BM, BN // 64), dtype=tl.float32)
     else:
-        NB: tl.constexpr = BN // 64
-        q = tl.load(s_ptr + lin, mask=mask, other=0).to(tl.float32)
+        q = tl.load(s_ptr + lin, mask=mask, other=0)
         smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
         sc = tl.load(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], mask=smask, other=0.0)
-        v = tl.reshape(q, (BM, NB, 64)) * sc[:, :, None]
+        return q, sc
+
+
+@jit
+def _raw_value(q, sc, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """fp32 value of a state loaded by ``_load_raw``."""
+    if KIND == 0:
+        return q
+    elif KIND == 1 or KIND == 2:
+        return q.to(tl.float32)
+    else:
+        NB: tl.constexpr = BN // 64
+        v = tl.reshape(q.to(tl.float32), (BM, NB, 64)) * sc[:, :, None]
         return tl.reshape(v, (BM, BN))
 
 
@@ -168,15 +182,41 @@ def _store_scales(sc_ptr, scale, mask, offs_m, blk0, NSB, BM: tl.constexpr, BN: 
 
 
 @jit
-def _epilogue(acc, row0, col0,
-              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr,
-              M, N, NSB,
-              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
-              W_BF16: tl.constexpr, W_SR: tl.constexpr,
-              S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-              INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Update the [BM, BN] block at (row0, col0) of W and its states from the fp32 gradient acc.
+def _epi_load(row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB,
+              MODE: tl.constexpr, HAS_BUF: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+              BM: tl.constexpr, BN: tl.constexpr):
+    """Issue the loads of the [BM, BN] block at (row0, col0): W, the states as stored (``_load_raw``) and
+    the gradient buffer. Returns (w, q0, z0, q1, z1, q2, z2, b); z* are the int8 scales."""
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = col0 + tl.arange(0, BN)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    base = row0.to(tl.int64) * N + col0
+    rel = tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :]
+    sb_idx = col0 // 64 + tl.arange(0, BN // 64)
+    if MODE == 1 or HAS_BUF:
+        b = tl.load(buf_ptr + base + rel, mask=mask, other=0.0)
+    else:
+        b = tl.zeros((BM, BN), dtype=tl.float32)
+    if MODE == 1:
+        w = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        w = tl.load(w_ptr + base + rel, mask=mask, other=0.0)
+    q0, z0 = _load_raw(s0_ptr + base, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
+    q1, z1 = _load_raw(s1_ptr + base, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
+    q2, z2 = _load_raw(s2_ptr + base, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
+    return w, q0, z0, q1, z1, q2, z2, b
+
+
+@jit
+def _epi_apply(acc, row0, col0, w_raw, q0, z0, q1, z1, q2, z2, b_raw,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+               UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
+               W_BF16: tl.constexpr, W_SR: tl.constexpr,
+               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+               INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Update the [BM, BN] block at (row0, col0) of W and its states from the fp32 gradient acc and the
+    values ``_epi_load`` returned for the block; store W and the states.
 
     Addresses are a 64-bit scalar tile base plus 32-bit in-tile offsets (fewer registers).
     """
@@ -186,12 +226,11 @@ def _epilogue(acc, row0, col0,
     base = row0.to(tl.int64) * N + col0
     rel = tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :]
     if MODE == 1:
-        b = tl.load(buf_ptr + base + rel, mask=mask, other=0.0)
-        tl.store(buf_ptr + base + rel, b + acc, mask=mask)
+        tl.store(buf_ptr + base + rel, b_raw + acc, mask=mask)
     else:
         g = acc
         if HAS_BUF:  # an fp32 buffer, or a bf16 gradient read in place (update_from_grad): exact upcast
-            g = g + tl.load(buf_ptr + base + rel, mask=mask, other=0.0).to(tl.float32)
+            g = g + b_raw.to(tl.float32)
         g = g * grad_sign
         # linear offset of each element in the whole weight, mod 2**32 (hash input for SR)
         hoff = rel.to(tl.uint32) + base.to(tl.uint32)
@@ -200,15 +239,15 @@ def _epilogue(acc, row0, col0,
         s0_t = s0_ptr + base
         s1_t = s1_ptr + base
         s2_t = s2_ptr + base
-        w_old = tl.load(w_t + rel, mask=mask, other=0.0).to(tl.float32)
-        s0_old = _load_state(s0_t, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
-        s1_old = _load_state(s1_t, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
-        s2_old = _load_state(s2_t, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
+        w_old = w_raw.to(tl.float32)
+        s0_old = _raw_value(q0, z0, S0, BM, BN)
+        s1_old = _raw_value(q1, z1, S1, BM, BN)
+        s2_old = _raw_value(q2, z2, S2, BM, BN)
         w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old,
                                                c0, c1, c2, c3, c4, c5, c6, c7)
         finite = tl.abs(g) < float("inf")  # False for NaN and +-Inf
         w_new = tl.where(finite, w_new, w_old)
-        if HAS_NF:
+        if COUNT_NF:
             bad = tl.sum(tl.where(mask, tl.where(finite, 0, 1), 0))
             if bad > 0:
                 tl.atomic_add(nf_ptr, bad.to(tl.int64))
@@ -228,6 +267,19 @@ def _epilogue(acc, row0, col0,
             s2_new = tl.where(finite, s2_new, s2_old)
             _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s2,
                          S2, S_SR, INTERPRET, BM, BN)
+
+
+@jit
+def _count_nonfinite(acc, row0, col0, M, N, nf_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """Add the number of in-range non-finite entries of the gradient tile to ``nf_ptr``: one reduction
+    per tile instead of one per epilogue slice (each costs a CTA barrier). Used where the gradient is
+    ``acc * grad_sign`` (grad_sign = +-1: same finiteness as acc)."""
+    offs_m = row0 + tl.arange(0, BM)
+    offs_n = col0 + tl.arange(0, BN)
+    inr = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    bad = tl.sum(tl.where(inr & (tl.abs(acc) < float("inf")), 0, tl.where(inr, 1, 0)))
+    if bad > 0:
+        tl.atomic_add(nf_ptr, bad.to(tl.int64))
 
 
 @jit
@@ -255,34 +307,107 @@ def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @jit
-def _epilogue4(acc, row0, col0,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-               UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, HAS_NF: tl.constexpr,
-               W_BF16: tl.constexpr, W_SR: tl.constexpr,
-               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-               INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """The epilogue on four [BM/4, BN] row slices, one after another (fewer live registers)."""
+def _epilogue1(acc, row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
+                W_BF16: tl.constexpr, W_SR: tl.constexpr,
+                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOOKAHEAD: tl.constexpr):
+    """The epilogue on the whole [BM, BN] block (LOOKAHEAD has nothing to overlap)."""
+    Q: tl.constexpr = BM
+    w0, q00, z00, q10, z10, q20, z20, b0 = _epi_load(
+        row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(acc, row0, col0, w0, q00, z00, q10, z10, q20, z20, b0,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+
+
+@jit
+def _epilogue2(acc, row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
+                W_BF16: tl.constexpr, W_SR: tl.constexpr,
+                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOOKAHEAD: tl.constexpr):
+    """The epilogue on two [BM/2, BN] row slices. LOOKAHEAD > 0: both slices' loads are issued before
+    the first slice's stores (a load after a store to W or a state may alias it, so neither the
+    compiler nor the hardware moves it ahead: without this, each slice waits out a full load latency)."""
+    Q: tl.constexpr = BM // 2
+    a0, a1 = _split_rows(acc, BM, BN)
+    w0, q00, z00, q10, z10, q20, z20, b0 = _epi_load(
+        row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if LOOKAHEAD > 0:
+        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
+            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(a0, row0, col0, w0, q00, z00, q10, z10, q20, z20, b0,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    if LOOKAHEAD == 0:
+        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
+            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(a1, row0 + Q, col0, w1, q01, z01, q11, z11, q21, z21, b1,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+
+
+@jit
+def _epilogue4(acc, row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
+                W_BF16: tl.constexpr, W_SR: tl.constexpr,
+                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOOKAHEAD: tl.constexpr):
+    """The epilogue on four [BM/4, BN] row slices, one after another (fewer live registers).
+    LOOKAHEAD 1: each slice's loads are issued before the previous slice's stores; 2: all four
+    slices' loads are issued first (more registers held: the packed W and states of the block)."""
     Q: tl.constexpr = BM // 4
     a0, a1 = _split_rows(acc, BM, BN)
     a00, a01 = _split_rows(a0, BM // 2, BN)
     a10, a11 = _split_rows(a1, BM // 2, BN)
-    _epilogue(a00, row0, col0,
-              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    _epilogue(a01, row0 + Q, col0,
-              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    _epilogue(a10, row0 + 2 * Q, col0,
-              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    _epilogue(a11, row0 + 3 * Q, col0,
-              w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-              c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-              UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    w0, q00, z00, q10, z10, q20, z20, b0 = _epi_load(
+        row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if LOOKAHEAD > 0:
+        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
+            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if LOOKAHEAD > 1:
+        w2, q02, z02, q12, z12, q22, z22, b2 = _epi_load(
+            row0 + 2 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        w3, q03, z03, q13, z13, q23, z23, b3 = _epi_load(
+            row0 + 3 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(a00, row0, col0, w0, q00, z00, q10, z10, q20, z20, b0,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    if LOOKAHEAD == 0:
+        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
+            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if LOOKAHEAD == 1:
+        w2, q02, z02, q12, z12, q22, z22, b2 = _epi_load(
+            row0 + 2 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(a01, row0 + Q, col0, w1, q01, z01, q11, z11, q21, z21, b1,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    if LOOKAHEAD == 0:
+        w2, q02, z02, q12, z12, q22, z22, b2 = _epi_load(
+            row0 + 2 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if LOOKAHEAD == 1:
+        w3, q03, z03, q13, z13, q23, z23, b3 = _epi_load(
+            row0 + 3 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(a10, row0 + 2 * Q, col0, w2, q02, z02, q12, z12, q22, z22, b2,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    if LOOKAHEAD == 0:
+        w3, q03, z03, q13, z13, q23, z23, b3 = _epi_load(
+            row0 + 3 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(a11, row0 + 3 * Q, col0, w3, q03, z03, q13, z13, q23, z23, b3,
+               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
+               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
+               S0, S1, S2, S_SR, INTERPRET, Q, BN)
 
 
 # BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
@@ -297,7 +422,8 @@ def forge_fused_kernel(
         S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
         DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
-        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, PREFETCH: tl.constexpr):
+        EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, PREFETCH: tl.constexpr,
+        EPI_LOOKAHEAD: tl.constexpr):
     """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -348,35 +474,39 @@ def forge_fused_kernel(
         pid_mc, pid_nc = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_SIZE)
         row0 = pid_mc * BM
         col0 = pid_nc * BN
+        # Non-finite count: from the whole tile at once where the gradient is acc * (+-1); per slice
+        # (after the buffer is added) otherwise.
+        COUNT_NF: tl.constexpr = HAS_NF and HAS_BUF
+        if HAS_NF and not HAS_BUF and MODE == 0:
+            _count_nonfinite(acc, row0, col0, M, N, nf_ptr, BM, BN)
         if EPI_SPLIT == 1:
-            _epilogue(acc, row0, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)
+            _epilogue1(acc, row0, col0,
+                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN,
+                       EPI_LOOKAHEAD)
         elif EPI_SPLIT == 2:
-            H: tl.constexpr = BM // 2
-            a0, a1 = _split_rows(acc, BM, BN)
-            _epilogue(a0, row0, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
-            _epilogue(a1, row0 + H, col0,
-                      w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                      c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                      UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H, BN)
+            _epilogue2(acc, row0, col0,
+                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
+                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN,
+                       EPI_LOOKAHEAD)
         elif EPI_SPLIT == 4:
             _epilogue4(acc, row0, col0,
                        w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN)
-        else:  # 8 row slices
+                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN,
+                       EPI_LOOKAHEAD)
+        else:  # 8 row slices: two halves of four
             H8: tl.constexpr = BM // 2
             a0, a1 = _split_rows(acc, BM, BN)
             _epilogue4(a0, row0, col0,
                        w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN)
+                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN,
+                       EPI_LOOKAHEAD)
             _epilogue4(a1, row0 + H8, col0,
                        w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
                        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN)
+                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN,
+                       EPI_LOOKAHEAD)

@@ -25,7 +25,8 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
     consts = dict(UPDATE=RULES[rule].triton_update, MODE=0, HAS_BUF=False, HAS_NF=True, W_BF16=w_bf16, W_SR=True,
                   S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
                   BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
-                  EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch)
+                  EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch,
+                  EPI_LOOKAHEAD=cfg.epi_lookahead)
     sig = {}
     for n in names:
         if n in consts:

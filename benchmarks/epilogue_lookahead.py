@@ -1,0 +1,131 @@
+"""A/B of the epilogue's load lookahead on the H200 (the question of benchmarks/NOTES.md, seventh session).
+
+    PYTHONPATH=src python3 benchmarks/epilogue_lookahead.py --label new --out new.json
+    PYTHONPATH=OLD/src python3 benchmarks/epilogue_lookahead.py --label old --out old.json
+
+The Nsight Compute profile of 2026-12-04 showed each epilogue slice issuing its loads of W, m, v only
+after the previous slice's stores (a later load may alias an earlier store, so neither the compiler
+nor the hardware reorders them), so a tile paid the load latency once per slice, and a CTA-wide
+reduction (two barriers) per slice for the non-finite count. ``KernelConfig.epi_lookahead`` issues
+the next slice's loads (1) or all slices' loads (2) before the stores; the count is now taken once
+per tile. This script times each forced config at each lookahead on the Llama-3.1-8B shapes, with
+torch's wgrad GEMM + ``_fused_adamw_`` (c) in the same process for the ratio, and records a digest of
+the bits one update writes (fixed inputs and keys), so that runs of two code versions can be compared
+for bit identity. Run under a tree without ``epi_lookahead`` (the code before the change) it times
+lookahead 0 only. Times: triton.testing.do_bench medians over rotating dY/X.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_kernel import make_states, rotating_inputs, unfused_step  # noqa: E402
+from forge_optim.backends.base import UpdateJob  # noqa: E402
+from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
+from forge_optim.kernels import fused  # noqa: E402
+from forge_optim.kernels import launch as L  # noqa: E402
+from forge_optim.rules import RULES  # noqa: E402
+
+HAS_LA = "epi_lookahead" in {f.name for f in dataclasses.fields(L.KernelConfig)}
+S = L.SMALL_BT_CONFIGS
+G = L.LARGE_BT_CONFIGS
+# (BT, configs with the lookaheads to try, shapes, state modes)
+PLAN = [
+    (512, [(S[10], (0, 1, 2)), (S[11], (0, 1)), (S[7], (0, 1))],
+     [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096)], ("bf16", "int8")),
+    (2048, [(S[10], (0, 1)), (G[4], (0, 1))], [(4096, 4096), (14336, 4096)], ("bf16",)),
+    (8192, [(G[4], (0, 1)), (G[0], (0, 1))], [(4096, 4096), (14336, 4096)], ("bf16",)),
+]
+QUICK = [(512, [(S[10], (0, 1, 2))], [(4096, 4096), (14336, 4096)], ("bf16", "int8"))]
+
+
+def with_la(cfg, la):
+    return dataclasses.replace(cfg, epi_lookahead=la) if HAS_LA else cfg
+
+
+def digest(*ts):
+    h = hashlib.sha256()
+    for t in ts:
+        h.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    plan = QUICK if a.quick else PLAN
+    las = lambda t: t if HAS_LA else (0,)  # noqa: E731
+    t0 = time.time()
+    specs = [dict(config=with_la(c, la), kinds=fused.ADAM_STATE_KINDS[m])
+             for _, cfgs, _, modes in plan for c, t in cfgs for la in las(t) for m in modes]
+    for line in L.precompile(specs):
+        if line.startswith("FAILED"):
+            print(line, flush=True)
+    print(f"[{a.label}] precompiled {len(specs)} variants in {time.time() - t0:.0f} s", flush=True)
+    rule = RULES["AdamW"]
+    group = dict(rule.defaults, lr=1e-4, weight_decay=0.1)
+    coeffs = rule.padded(rule.coefficients(group, {}, 10))
+    rows = []
+    for BT, cfgs, shapes, modes in plan:
+        for M, N in shapes:
+            gen = torch.Generator(device="cuda").manual_seed(M * 7 + N + BT)
+            nxt = rotating_inputs(BT, M, N, gen, 3)
+            W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+            dy0, x0 = nxt()  # before any timing: how many calls do_bench makes varies from run to run
+            t_c = do_bench(unfused_step(W, torch.zeros_like(W), torch.zeros_like(W), nxt), warmup=10, rep=40,
+                           return_mode="median")
+            for mode in modes:
+                for cfg0, lat in cfgs:
+                    for la in las(lat):
+                        cfg = with_la(cfg0, la)
+                        backend = TritonBackend(config=cfg)
+                        # bits: one update from fixed states and inputs
+                        g2 = torch.Generator(device="cuda").manual_seed(1)
+                        Wb = (torch.randn(M, N, device="cuda", generator=g2) * 0.02).bfloat16()
+                        views = make_states(mode, M, N, g2, rule, group)
+                        nf = torch.zeros((), dtype=torch.int64, device="cuda")
+                        job = UpdateJob(weight=Wb, rule=rule, coeffs=coeffs, states=views, stochastic_weight=True,
+                                        stochastic_state=True, key_weight=123, key_states=(456, 789, 0)[:len(views)],
+                                        nonfinite=nf)
+                        backend.update(job, dy0, x0)
+                        torch.cuda.synchronize()
+                        bits = digest(Wb, *[v.data for v in views], *[v.scale for v in views if v.quantized])
+
+                        def fn(job=job, backend=backend):
+                            d, x = nxt()
+                            backend.update(job, d, x)
+                        t = do_bench(fn, warmup=10, rep=40, return_mode="median")
+                        assert int(nf) == 0
+                        row = dict(label=a.label, shape=f"{M}x{N}", BT=BT, states=mode, config=cfg.short(),
+                                   lookahead=la, ms=t, unfused_ms=t_c, a_over_c=t / t_c, bits=bits)
+                        rows.append(row)
+                        print(f"[{a.label}] {M:>6}x{N:<6} BT={BT:<5} {mode:4s} {cfg.short():48s} {t:8.4f} ms  "
+                              f"(c) {t_c:8.4f}  a/c {t / t_c:5.3f}  bits {bits}", flush=True)
+                        del views, Wb, job
+                        torch.cuda.empty_cache()
+            del W, nxt
+            torch.cuda.empty_cache()
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               command=" ".join([sys.executable] + sys.argv), label=a.label, has_lookahead=HAS_LA, rows=rows)
+    Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {a.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

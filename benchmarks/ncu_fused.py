@@ -1,0 +1,105 @@
+"""Launch each case of the fused kernel once inside a profiler range, for Nsight Compute (ncu).
+
+    bash benchmarks/ncu_h200.sh OUTDIR      (runs this under ncu and writes the reports)
+
+Cases (bf16 W; AdamW; one forced config each, no tuning): the tuned BT=512 winner (64x64, 4
+programs/SM) on 4096x4096 with bf16 and int8 states and on 14336x4096; the 64x128 3-programs config
+on 4096x4096 (wider tiles were 1.2-2x slower per element: why?); the BT=8192 config; the fp32
+accumulate mode (mainloop + an 8 B/element read-modify-write, no rule); and torch's wgrad GEMM and
+``_fused_adamw_`` on the 4096x4096 operands, the baseline (c). Every launch is preceded by a
+warm-up outside the profiled range (compilation, TMA allocator). The order of the profiled launches
+is printed, so that the report's kernel IDs can be mapped to cases.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_kernel import make_states  # noqa: E402
+from forge_optim.backends.base import UpdateJob  # noqa: E402
+from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
+from forge_optim.kernels import launch as L  # noqa: E402
+from forge_optim.rules import RULES  # noqa: E402
+
+# NCU_LOOKAHEAD=n: profile the configs with KernelConfig.epi_lookahead = n
+_LA = int(os.environ.get("NCU_LOOKAHEAD", "0"))
+_la = (lambda c: dataclasses.replace(c, epi_lookahead=_LA)) if _LA else (lambda c: c)
+SMALL = _la(L.SMALL_BT_CONFIGS[10])  # 64x64x64 w4 s3 p4 e4 r128 pf: the tuned BT=512 winner
+WIDE = _la(L.SMALL_BT_CONFIGS[7])  # 64x128 w4 s3 p3 e8 r168 pf
+LARGE = _la(L.LARGE_BT_CONFIGS[4])  # 128x256 w16 s4 e8: the BT=8192 winner at 4096x4096
+
+CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no states)
+    ("small-bf16-4096", 4096, 4096, 512, "bf16", SMALL),
+    ("small-int8-4096", 4096, 4096, 512, "int8", SMALL),
+    ("small-bf16-14336", 14336, 4096, 512, "bf16", SMALL),
+    ("wide-bf16-4096", 4096, 4096, 512, "bf16", WIDE),
+    ("large-bf16-4096-bt8192", 4096, 4096, 8192, "bf16", LARGE),
+    ("small-accumulate-4096", 4096, 4096, 512, "accumulate", SMALL),
+]
+
+
+def main():
+    only = set(sys.argv[1].split(",")) if len(sys.argv) > 1 else None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rule = RULES["AdamW"]
+    group = dict(rule.defaults, lr=1e-4, weight_decay=0.1)
+    prepared = []
+    for name, M, N, BT, mode, cfg in CASES:
+        if only and name not in only:
+            continue
+        os.environ["FORGE_TRITON_CONFIG"] = cfg.env()
+        backend = TritonBackend()
+        dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
+        x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
+        if mode == "accumulate":
+            buf = torch.zeros(M, N, device="cuda")
+
+            def fn(backend=backend, buf=buf, dy=dy, x=x):
+                backend.accumulate(buf, dy, x)
+        else:
+            W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+            views = make_states(mode, M, N, gen, rule, group)
+            job = UpdateJob(weight=W, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, 10)),
+                            states=views, stochastic_weight=True, stochastic_state=True, key_weight=123,
+                            key_states=(456, 789, 0)[:len(views)],
+                            nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+
+            def fn(backend=backend, job=job, dy=dy, x=x):
+                backend.update(job, dy, x)
+        fn()  # compile + warm
+        torch.cuda.synchronize()
+        prepared.append((f"{name} [{cfg.short()}]", fn))
+        if name == "small-bf16-4096":  # the unfused baseline (c) on the same operands
+            Wb = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+            m = torch.zeros_like(Wb)
+            v = torch.zeros_like(Wb)
+            step_t = torch.tensor(10.0, device="cuda")
+
+            def gemm(dy=dy, x=x):
+                return dy.t() @ x
+            G = gemm()
+
+            def adamw(Wb=Wb, G=G, m=m, v=v, step_t=step_t):
+                torch._fused_adamw_([Wb], [G], [m], [v], [], [step_t], lr=1e-4, beta1=0.9, beta2=0.999,
+                                    weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+            adamw()
+            prepared.append(("torch wgrad GEMM 4096x4096 BT=512", gemm))
+            prepared.append(("torch _fused_adamw_ 4096x4096 bf16", adamw))
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for i, (name, fn) in enumerate(prepared):
+        print(f"PROFILED {i}: {name}", flush=True)
+        fn()
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    main()
