@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/epilogue_lookahead.py --label new --out new.json
     PYTHONPATH=OLD/src python3 benchmarks/epilogue_lookahead.py --label old --out old.json
 
-The Nsight Compute profile of 2026-12-04 showed each epilogue slice issuing its loads of W, m, v only
+The Nsight Compute profile of 2026-12-03 showed each epilogue slice issuing its loads of W, m, v only
 after the previous slice's stores (a later load may alias an earlier store, so neither the compiler
 nor the hardware reorders them), so a tile paid the load latency once per slice, and a CTA-wide
 reduction (two barriers) per slice for the non-finite count. ``KernelConfig.epi_lookahead`` issues
