@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/epilogue_lookahead.py --label new --out new.json
     PYTHONPATH=OLD/src python3 benchmarks/epilogue_lookahead.py --label old --out old.json
+    ... --plan flatten        the flattened tile loop on the lookahead winners
 
 The Nsight Compute profile of 2026-12-03 showed each epilogue slice issuing its loads of W, m, v only
 after the previous slice's stores (a later load may alias an earlier store, so neither the compiler
@@ -49,6 +50,11 @@ PLAN = [
     (8192, [(G[4], (0, 1)), (G[0], (0, 1))], [(4096, 4096), (14336, 4096)], ("bf16",)),
 ]
 QUICK = [(512, [(S[10], (0, 1, 2))], [(4096, 4096), (14336, 4096)], ("bf16", "int8"))]
+# --plan flatten: the lookahead-1 winners with and without the flattened tile x K loop (the next tile's
+# dY/X loads in flight during this tile's epilogue: the mainloop's TMA wait was 15% of the stalls)
+_flat = lambda c: dataclasses.replace(c, flatten=True)  # noqa: E731
+FLATTEN = [(512, [(S[10], (1,)), (_flat(S[10]), (1,)), (S[7], (1,)), (_flat(S[7]), (1,))],
+            [(4096, 4096), (14336, 4096), (128256, 4096)], ("bf16", "int8"))]
 
 
 def with_la(cfg, la):
@@ -66,9 +72,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plan", choices=["full", "quick", "flatten"], default="full")
     a = ap.parse_args()
-    plan = QUICK if a.quick else PLAN
+    plan = {"full": PLAN, "quick": QUICK, "flatten": FLATTEN}[a.plan]
     las = lambda t: t if HAS_LA else (0,)  # noqa: E731
     t0 = time.time()
     specs = [dict(config=with_la(c, la), kinds=fused.ADAM_STATE_KINDS[m])

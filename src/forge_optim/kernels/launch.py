@@ -76,7 +76,7 @@ SMALL_BT_CONFIGS = (
     KernelConfig(128, 256, 64, 16, 3, 8, 1, 8),  # half the L2 re-reads of dY/X of a 64x128 tile
     KernelConfig(256, 128, 64, 16, 3, 8, 1, 8),
     # v4: the same schedules with the tile's W/states prefetched into L2 before the mainloop
-    # (2026-12-04: with each slice's loads issued ahead of the previous slice's stores: -3 to -20%)
+    # (2026-12-03: with each slice's loads issued ahead of the previous slice's stores: -3 to -20%)
     KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1),
     KernelConfig(64, 128, 64, 4, 4, 8, 2, 4, prefetch=True),
     KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, prefetch=True),
