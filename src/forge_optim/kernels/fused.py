@@ -182,11 +182,12 @@ def _store_scales(sc_ptr, scale, mask, offs_m, blk0, NSB, BM: tl.constexpr, BN: 
 
 
 @jit
-def _epi_load(row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB,
-              MODE: tl.constexpr, HAS_BUF: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-              BM: tl.constexpr, BN: tl.constexpr):
+def _epi_load(row0, col0, P, M, N, NSB, MODE: tl.constexpr, HAS_BUF: tl.constexpr, S0: tl.constexpr,
+              S1: tl.constexpr, S2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Issue the loads of the [BM, BN] block at (row0, col0): W, the states as stored (``_load_raw``) and
-    the gradient buffer. Returns (w, q0, z0, q1, z1, q2, z2, b); z* are the int8 scales."""
+    the gradient buffer. Returns (w, q0, z0, q1, z1, q2, z2, b); z* are the int8 scales.
+    P: the kernel's pointers, (w, s0, s1, s2, sc0, sc1, sc2, buf, nf)."""
+    w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr = P
     offs_m = row0 + tl.arange(0, BM)
     offs_n = col0 + tl.arange(0, BN)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -208,18 +209,20 @@ def _epi_load(row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_p
 
 
 @jit
-def _epi_apply(acc, row0, col0, w_raw, q0, z0, q1, z1, q2, z2, b_raw,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-               c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-               UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
-               W_BF16: tl.constexpr, W_SR: tl.constexpr,
-               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
+               MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr, W_BF16: tl.constexpr,
+               W_SR: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Update the [BM, BN] block at (row0, col0) of W and its states from the fp32 gradient acc and the
-    values ``_epi_load`` returned for the block; store W and the states.
+    values ``_epi_load`` returned for the block (LD); store W and the states. C: the rule's eight
+    coefficients and grad_sign; K: the weight's and the three states' hash keys.
 
     Addresses are a 64-bit scalar tile base plus 32-bit in-tile offsets (fewer registers).
     """
+    w_raw, q0, z0, q1, z1, q2, z2, b_raw = LD
+    w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr = P
+    c0, c1, c2, c3, c4, c5, c6, c7, grad_sign = C
+    key_w, key_s0, key_s1, key_s2 = K
     offs_m = row0 + tl.arange(0, BM)
     offs_n = col0 + tl.arange(0, BN)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -307,107 +310,53 @@ def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @jit
-def _epilogue1(acc, row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
-                W_BF16: tl.constexpr, W_SR: tl.constexpr,
-                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOOKAHEAD: tl.constexpr):
-    """The epilogue on the whole [BM, BN] block (LOOKAHEAD has nothing to overlap)."""
-    Q: tl.constexpr = BM
-    w0, q00, z00, q10, z10, q20, z20, b0 = _epi_load(
-        row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(acc, row0, col0, w0, q00, z00, q10, z10, q20, z20, b0,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
-
-
-@jit
-def _epilogue2(acc, row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
-                W_BF16: tl.constexpr, W_SR: tl.constexpr,
-                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOOKAHEAD: tl.constexpr):
-    """The epilogue on two [BM/2, BN] row slices. LOOKAHEAD > 0: both slices' loads are issued before
-    the first slice's stores (a load after a store to W or a state may alias it, so neither the
-    compiler nor the hardware moves it ahead: without this, each slice waits out a full load latency)."""
-    Q: tl.constexpr = BM // 2
-    a0, a1 = _split_rows(acc, BM, BN)
-    w0, q00, z00, q10, z10, q20, z20, b0 = _epi_load(
-        row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    if LOOKAHEAD > 0:
-        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
-            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(a0, row0, col0, w0, q00, z00, q10, z10, q20, z20, b0,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    if LOOKAHEAD == 0:
-        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
-            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(a1, row0 + Q, col0, w1, q01, z01, q11, z11, q21, z21, b1,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
-
-
-@jit
-def _epilogue4(acc, row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                UPDATE: tl.constexpr, MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr,
-                W_BF16: tl.constexpr, W_SR: tl.constexpr,
-                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-                INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, LOOKAHEAD: tl.constexpr):
-    """The epilogue on four [BM/4, BN] row slices, one after another (fewer live registers).
-    LOOKAHEAD 1: each slice's loads are issued before the previous slice's stores; 2: all four
-    slices' loads are issued first (more registers held: the packed W and states of the block)."""
-    Q: tl.constexpr = BM // 4
-    a0, a1 = _split_rows(acc, BM, BN)
-    a00, a01 = _split_rows(a0, BM // 2, BN)
-    a10, a11 = _split_rows(a1, BM // 2, BN)
-    w0, q00, z00, q10, z10, q20, z20, b0 = _epi_load(
-        row0, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    if LOOKAHEAD > 0:
-        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
-            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    if LOOKAHEAD > 1:
-        w2, q02, z02, q12, z12, q22, z22, b2 = _epi_load(
-            row0 + 2 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-        w3, q03, z03, q13, z13, q23, z23, b3 = _epi_load(
-            row0 + 3 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(a00, row0, col0, w0, q00, z00, q10, z10, q20, z20, b0,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    if LOOKAHEAD == 0:
-        w1, q01, z01, q11, z11, q21, z21, b1 = _epi_load(
-            row0 + Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    if LOOKAHEAD == 1:
-        w2, q02, z02, q12, z12, q22, z22, b2 = _epi_load(
-            row0 + 2 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(a01, row0 + Q, col0, w1, q01, z01, q11, z11, q21, z21, b1,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    if LOOKAHEAD == 0:
-        w2, q02, z02, q12, z12, q22, z22, b2 = _epi_load(
-            row0 + 2 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    if LOOKAHEAD == 1:
-        w3, q03, z03, q13, z13, q23, z23, b3 = _epi_load(
-            row0 + 3 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(a10, row0 + 2 * Q, col0, w2, q02, z02, q12, z12, q22, z22, b2,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
-    if LOOKAHEAD == 0:
-        w3, q03, z03, q13, z13, q23, z23, b3 = _epi_load(
-            row0 + 3 * Q, col0, w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-    _epi_apply(a11, row0 + 3 * Q, col0, w3, q03, z03, q13, z13, q23, z23, b3,
-               w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB, c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-               key_w, key_s0, key_s1, key_s2, UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR,
-               S0, S1, S2, S_SR, INTERPRET, Q, BN)
+def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
+                   MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr, W_BF16: tl.constexpr,
+                   W_SR: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
+                   INTERPRET: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LOOKAHEAD: tl.constexpr):
+    """The epilogue of one [BM, BN] tile on SPLIT (1, 2 or 4) row slices of BM/SPLIT rows, one after
+    another (fewer live registers). A load issued after a store to W or a state may alias it, so
+    neither the compiler nor the hardware moves it ahead: LOOKAHEAD 1 therefore issues each slice's
+    loads before the previous slice's stores (the load latency is paid once per tile, not once per
+    slice); 2 issues every slice's loads first (more registers: the packed W and states of the tile)."""
+    Q: tl.constexpr = BM // SPLIT
+    if SPLIT == 1:
+        A = (acc,)
+    elif SPLIT == 2:
+        A = _split_rows(acc, BM, BN)
+    else:
+        a0, a1 = _split_rows(acc, BM, BN)
+        a00, a01 = _split_rows(a0, BM // 2, BN)
+        a10, a11 = _split_rows(a1, BM // 2, BN)
+        A = (a00, a01, a10, a11)
+    ahead: tl.constexpr = 0 if LOOKAHEAD == 0 else (1 if LOOKAHEAD == 1 else SPLIT - 1)
+    L0 = _epi_load(row0, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if SPLIT > 1 and ahead >= 1:
+        L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    if SPLIT > 2 and ahead >= 2:
+        L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    _epi_apply(A[0], row0, col0, L0, P, M, N, NSB, C, K,
+               UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    if SPLIT > 1:
+        if ahead == 0:
+            L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        if SPLIT > 2 and ahead == 1:
+            L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        _epi_apply(A[1], row0 + Q, col0, L1, P, M, N, NSB, C, K,
+                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+    if SPLIT > 2:
+        if ahead == 0:
+            L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        if ahead == 1:
+            L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        _epi_apply(A[2], row0 + 2 * Q, col0, L2, P, M, N, NSB, C, K,
+                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+        if ahead == 0:
+            L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        _epi_apply(A[3], row0 + 3 * Q, col0, L3, P, M, N, NSB, C, K,
+                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
 
 
 # BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
@@ -476,37 +425,22 @@ def forge_fused_kernel(
         col0 = pid_nc * BN
         # Non-finite count: from the whole tile at once where the gradient is acc * (+-1); per slice
         # (after the buffer is added) otherwise.
-        COUNT_NF: tl.constexpr = HAS_NF and HAS_BUF
         if HAS_NF and not HAS_BUF and MODE == 0:
             _count_nonfinite(acc, row0, col0, M, N, nf_ptr, BM, BN)
-        if EPI_SPLIT == 1:
-            _epilogue1(acc, row0, col0,
-                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN,
-                       EPI_LOOKAHEAD)
-        elif EPI_SPLIT == 2:
-            _epilogue2(acc, row0, col0,
-                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN,
-                       EPI_LOOKAHEAD)
-        elif EPI_SPLIT == 4:
-            _epilogue4(acc, row0, col0,
-                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, BM, BN,
-                       EPI_LOOKAHEAD)
+        P = (w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr)
+        C = (c0, c1, c2, c3, c4, c5, c6, c7, grad_sign)
+        K = (key_w, key_s0, key_s1, key_s2)
+        COUNT_NF: tl.constexpr = HAS_NF and HAS_BUF
+        if EPI_SPLIT <= 4:
+            _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K,
+                           UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
+                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD)
         else:  # 8 row slices: two halves of four
             H8: tl.constexpr = BM // 2
             a0, a1 = _split_rows(acc, BM, BN)
-            _epilogue4(a0, row0, col0,
-                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN,
-                       EPI_LOOKAHEAD)
-            _epilogue4(a1, row0 + H8, col0,
-                       w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr, M, N, NSB,
-                       c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
-                       UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, H8, BN,
-                       EPI_LOOKAHEAD)
+            _epilogue_tile(a0, row0, col0, P, M, N, NSB, C, K,
+                           UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
+                           H8, BN, 4, EPI_LOOKAHEAD)
+            _epilogue_tile(a1, row0 + H8, col0, P, M, N, NSB, C, K,
+                           UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
+                           H8, BN, 4, EPI_LOOKAHEAD)

@@ -40,7 +40,7 @@ class KernelConfig:
     maxnreg: int = 0  # >0: register cap per thread (more resident programs per SM, maybe spills)
     prefetch: bool = False  # L2-prefetch each tile's W/states before its mainloop (GPU only)
     # epilogue slices: 0 loads each slice after the previous one's stores; 1 issues the next slice's
-    # loads before the current slice's stores; 2 issues every slice's loads first (fused._epilogue4)
+    # loads before the current slice's stores; 2 issues every slice's loads first (fused._epilogue_tile)
     epi_lookahead: int = 0
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ per SM holds three partitions:
 
 The ring is consumed in tile order, so the two consumers' mainloops alternate naturally.
 
-The epilogue computes exactly what ``fused._epilogue`` computes for MODE_UPDATE without a gradient
+The epilogue computes exactly what ``fused._epi_apply`` computes for MODE_UPDATE without a gradient
 buffer: the rule's ``triton_update`` (the same @triton.jit function), the non-finite guard and
 count, and bf16 stores by the same hashed stochastic rounding (``fused._to_bf16``) or RNE. States are
 fp32 or bf16; int8 states, gradient buffers and accumulate mode use the Triton kernel.
@@ -222,7 +222,7 @@ def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf,
                     UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
                     S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
                     SL: gl.constexpr):
-    """fused._epilogue's MODE_UPDATE path (no gradient buffer) on one slice, in shared memory."""
+    """fused._epi_apply's MODE_UPDATE path (no gradient buffer) on one slice, in shared memory."""
     g = acc * grad_sign
     w_old = w_buf.load(SL).to(gl.float32)
     zero = gl.zeros_like(g)
