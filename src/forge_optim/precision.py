@@ -5,6 +5,8 @@ uint32), so the torch and Triton backends draw the same random bits for the same
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -33,11 +35,16 @@ def _mix_host(x: int) -> int:
     return ((x >> 16) ^ x) & MASK32
 
 
+@functools.lru_cache(maxsize=65536)
+def _param_key(seed: int, param_index: int) -> int:
+    """The (seed, parameter) part of ``step_key``: fixed for a run, so mixed once, not every step
+    (two of the six Python-integer mixes a fused update's keys cost on the host)."""
+    return _mix_host(_mix_host(seed ^ 0x9E3779B9) ^ (param_index * 0x01000193 + 0x7F4A7C15))
+
+
 def step_key(seed: int, param_index: int, step: int) -> int:
     """The (seed, parameter, step) part of a key; ``site_key`` derives one key per store site."""
-    k = _mix_host(seed ^ 0x9E3779B9)
-    k = _mix_host(k ^ (param_index * 0x01000193 + 0x7F4A7C15))
-    return _mix_host(k ^ (step * 0x000343FD + 0x269EC3))
+    return _mix_host(_param_key(seed, param_index) ^ (step * 0x000343FD + 0x269EC3))
 
 
 def site_key(base: int, site: int) -> int:
