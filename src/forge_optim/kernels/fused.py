@@ -14,6 +14,10 @@ tile it accumulates ``G = dY[:, rows]^T X[:, cols]`` in fp32 registers over the 
 
 With ``PREFETCH`` (GPU only) each tile's W, states and buffer are requested into L2 before its
 mainloop (``_prefetch_l2``), so the epilogue's loads hit L2 (kernel v4 in benchmarks/NOTES.md).
+The epilogue runs on row slices (``_epilogue_tile``): ``_epi_load`` issues a slice's loads,
+``_epi_apply`` updates and stores it, and with ``EPI_LOOKAHEAD`` the next slice's loads are issued
+before this slice's stores. The non-finite count is one reduction per tile (``_count_nonfinite``)
+where the gradient is the accumulator itself (NOTES.md, seventh session).
 
 The numerics follow ``backends.torch_backend.apply_update`` op for op; the stochastic-rounding bits
 come from the same uint32 hash as ``precision.hash32``.
