@@ -3,7 +3,7 @@
 # on the H200 (Firecracker runtime: ncu reads the hardware counters there; clocks left alone).
 #   bash benchmarks/ncu_h200.sh OUTDIR [case,case,...]
 # Writes OUTDIR/ncu.ncu-rep (open in Nsight Compute), OUTDIR/details.txt (speed of light, memory,
-# warp stalls, scheduler, occupancy per kernel), OUTDIR/raw.csv (selected metrics) and
+# warp stalls, scheduler, occupancy per kernel), OUTDIR/raw.csv (metrics those sections collect) and
 # OUTDIR/source.csv (per-SASS-line stall samples of the fused kernels).
 set -u
 OUTD=${1:-${OUT:-/tmp/ncu}}
@@ -19,11 +19,10 @@ ncu --clock-control none --profile-from-start off --target-processes all \
   --import-source no -f -o "$OUTD/ncu" python3 benchmarks/ncu_fused.py $CASES 2>&1 | grep -v "^==PROF== Profiling"
 ncu -i "$OUTD/ncu.ncu-rep" --page details > "$OUTD/details.txt" 2>&1
 ncu -i "$OUTD/ncu.ncu-rep" --page raw --csv --metrics \
-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum,\
+gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\
 dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,\
 l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
-sm__inst_executed.sum,sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread,\
-smsp__inst_executed.avg.per_cycle_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
   > "$OUTD/raw.csv" 2>&1
 # per-SASS-line stall samples of every profiled kernel (parsed offline: benchmarks/ncu_sass.py)
 ncu -i "$OUTD/ncu.ncu-rep" --page source --csv --print-source sass --kernel-name forge_fused_kernel \
