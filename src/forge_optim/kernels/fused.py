@@ -254,10 +254,8 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
                                                c0, c1, c2, c3, c4, c5, c6, c7)
         finite = tl.abs(g) < float("inf")  # False for NaN and +-Inf
         w_new = tl.where(finite, w_new, w_old)
-        if COUNT_NF:
-            bad = tl.sum(tl.where(mask, tl.where(finite, 0, 1), 0))
-            if bad > 0:
-                tl.atomic_add(nf_ptr, bad.to(tl.int64))
+        if COUNT_NF:  # the gradient includes the buffer: counted here, slice by slice
+            _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM, BN)
         if W_BF16:
             tl.store(w_t + rel, _to_bf16(w_new, hoff, key_w, W_SR, INTERPRET), mask=mask)
         else:
@@ -277,14 +275,15 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
 
 
 @jit
-def _count_nonfinite(acc, row0, col0, M, N, nf_ptr, BM: tl.constexpr, BN: tl.constexpr):
-    """Add the number of in-range non-finite entries of the gradient tile to ``nf_ptr``: one reduction
-    per tile instead of one per epilogue slice (each costs a CTA barrier). Used where the gradient is
-    ``acc * grad_sign`` (grad_sign = +-1: same finiteness as acc)."""
+def _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """Add the number of in-range non-finite entries of the [BM, BN] gradient block at (row0, col0) to
+    ``nf_ptr`` (one CTA-wide reduction: two barriers). The kernel calls it once per tile on the
+    accumulator where the gradient is ``acc * grad_sign`` (grad_sign = +-1: same finiteness), and per
+    epilogue slice where a gradient buffer is added first."""
     offs_m = row0 + tl.arange(0, BM)
     offs_n = col0 + tl.arange(0, BN)
     inr = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    bad = tl.sum(tl.where(inr & (tl.abs(acc) < float("inf")), 0, tl.where(inr, 1, 0)))
+    bad = tl.sum(tl.where(inr & (tl.abs(g) < float("inf")), 0, tl.where(inr, 1, 0)))
     if bad > 0:
         tl.atomic_add(nf_ptr, bad.to(tl.int64))
 
