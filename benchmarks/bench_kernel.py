@@ -75,6 +75,15 @@ def make_states(mode, M, N, gen, rule=RULES["AdamW"], group=None):
     return views
 
 
+def fixed_job(W, views, rule=RULES["AdamW"], group=None, sr=True, nonfinite=None):
+    """An update of W and its states ``views`` at step 10 with fixed hash keys: what the kernel
+    studies (epilogue_cost, epilogue_lookahead, ncu_fused) launch, so that their bits can be compared."""
+    group = dict(rule.defaults) if group is None else group
+    return UpdateJob(weight=W, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, 10)), states=views,
+                     stochastic_weight=sr, stochastic_state=sr, key_weight=123,
+                     key_states=(456, 789, 0)[:len(views)], nonfinite=nonfinite)
+
+
 def rotating_inputs(BT, M, N, gen, n):
     """A callable returning the next of ``n`` random (dY [BT, M], X [BT, N]) bf16 pairs in turn, so that
     back-to-back timed calls do not find their operands in L2."""

@@ -31,12 +31,11 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from forge_optim.backends.base import UpdateJob  # noqa: E402
 from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 
-from bench_kernel import make_states  # noqa: E402  (this script's folder is on sys.path)
+from bench_kernel import fixed_job, make_states  # noqa: E402  (this script's folder is on sys.path)
 
 BYTES = {"adamw-bf16-sr": 12, "adamw-bf16-rn": 12, "adamw-fp32": 20, "adamw-int8": 8.25,
          "sgd-bf16-sr": 4, "accumulate": 8}
@@ -73,9 +72,7 @@ def main():
                     mode = {"adamw-int8": "int8", "adamw-fp32": "fp32"}.get(variant, "bf16")
                     views = make_states(mode, M, N, gen, rule, group)
                     sr = not variant.endswith("-rn")
-                    job = UpdateJob(weight=W, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, 10)),
-                                    states=views, stochastic_weight=sr, stochastic_state=sr, key_weight=123,
-                                    key_states=(456, 789, 0)[:len(views)], nonfinite=nf)
+                    job = fixed_job(W, views, rule, group, sr=sr, nonfinite=nf)
 
                     def fn():
                         backend.update(job, dy, x)

@@ -32,8 +32,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_kernel import make_states, rotating_inputs, unfused_step  # noqa: E402
-from forge_optim.backends.base import UpdateJob  # noqa: E402
+from bench_kernel import fixed_job, make_states, rotating_inputs, unfused_step  # noqa: E402
 from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
 from forge_optim.kernels import fused  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
@@ -85,7 +84,6 @@ def main():
     print(f"[{a.label}] precompiled {len(specs)} variants in {time.time() - t0:.0f} s", flush=True)
     rule = RULES["AdamW"]
     group = dict(rule.defaults, lr=1e-4, weight_decay=0.1)
-    coeffs = rule.padded(rule.coefficients(group, {}, 10))
     rows = []
     for BT, cfgs, shapes, modes in plan:
         for M, N in shapes:
@@ -105,9 +103,7 @@ def main():
                         Wb = (torch.randn(M, N, device="cuda", generator=g2) * 0.02).bfloat16()
                         views = make_states(mode, M, N, g2, rule, group)
                         nf = torch.zeros((), dtype=torch.int64, device="cuda")
-                        job = UpdateJob(weight=Wb, rule=rule, coeffs=coeffs, states=views, stochastic_weight=True,
-                                        stochastic_state=True, key_weight=123, key_states=(456, 789, 0)[:len(views)],
-                                        nonfinite=nf)
+                        job = fixed_job(Wb, views, rule, group, nonfinite=nf)
                         backend.update(job, dy0, x0)
                         torch.cuda.synchronize()
                         bits = digest(Wb, *[v.data for v in views], *[v.scale for v in views if v.quantized])

@@ -22,8 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_kernel import make_states  # noqa: E402
-from forge_optim.backends.base import UpdateJob  # noqa: E402
+from bench_kernel import fixed_job, make_states, unfused_step  # noqa: E402
 from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
@@ -66,32 +65,18 @@ def main():
         else:
             W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
             views = make_states(mode, M, N, gen, rule, group)
-            job = UpdateJob(weight=W, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, 10)),
-                            states=views, stochastic_weight=True, stochastic_state=True, key_weight=123,
-                            key_states=(456, 789, 0)[:len(views)],
-                            nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+            job = fixed_job(W, views, rule, group, nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
 
             def fn(backend=backend, job=job, dy=dy, x=x):
                 backend.update(job, dy, x)
         fn()  # compile + warm
         torch.cuda.synchronize()
         prepared.append((f"{name} [{cfg.short()}]", fn))
-        if name == "small-bf16-4096":  # the unfused baseline (c) on the same operands
+        if name == "small-bf16-4096":  # the unfused baseline (c) on the same operands: two kernels
             Wb = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
-            m = torch.zeros_like(Wb)
-            v = torch.zeros_like(Wb)
-            step_t = torch.tensor(10.0, device="cuda")
-
-            def gemm(dy=dy, x=x):
-                return dy.t() @ x
-            G = gemm()
-
-            def adamw(Wb=Wb, G=G, m=m, v=v, step_t=step_t):
-                torch._fused_adamw_([Wb], [G], [m], [v], [], [step_t], lr=1e-4, beta1=0.9, beta2=0.999,
-                                    weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-            adamw()
-            prepared.append(("torch wgrad GEMM 4096x4096 BT=512", gemm))
-            prepared.append(("torch _fused_adamw_ 4096x4096 bf16", adamw))
+            unfused = unfused_step(Wb, torch.zeros_like(Wb), torch.zeros_like(Wb), lambda dy=dy, x=x: (dy, x))
+            unfused()
+            prepared.append(("torch wgrad GEMM, then _fused_adamw_, 4096x4096 BT=512 bf16", unfused))
         torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for i, (name, fn) in enumerate(prepared):

@@ -463,7 +463,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(f"sparse gradient of '{self._param_names.get(id(p), '?')}' has shape "
                                    f"{tuple(grad.shape)}; forge_optim steps row-sparse 2-D gradients (embeddings)")
             self._backend_for(p).update_from_row_sparse(job, RowSparseGrad(grad))
-        else:  # cast to fp32 chunk by chunk by the backend
+        else:  # read in place if fp32/bf16 and contiguous, else cast to fp32 chunk by chunk (the backend)
             self._backend_for(p).update_from_grad(job, _as_2d(dtensor.local(grad).contiguous()))
         if not contiguous:
             w.copy_(w2d.view_as(w))
