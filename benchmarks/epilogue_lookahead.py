@@ -3,6 +3,7 @@
     PYTHONPATH=src python3 benchmarks/epilogue_lookahead.py --label new --out new.json
     PYTHONPATH=OLD/src python3 benchmarks/epilogue_lookahead.py --label old --out old.json
     ... --plan flatten        the flattened tile loop on the lookahead winners
+    ... --plan winners        the tuned winners only: an old/new A/B of any later epilogue change
 
 The Nsight Compute profile of 2026-12-03 showed each epilogue slice issuing its loads of W, m, v only
 after the previous slice's stores (a later load may alias an earlier store, so neither the compiler
@@ -54,6 +55,13 @@ QUICK = [(512, [(S[10], (0, 1, 2))], [(4096, 4096), (14336, 4096)], ("bf16", "in
 _flat = lambda c: dataclasses.replace(c, flatten=True)  # noqa: E731
 FLATTEN = [(512, [(S[10], (1,)), (_flat(S[10]), (1,)), (S[7], (1,)), (_flat(S[7]), (1,))],
             [(4096, 4096), (14336, 4096), (128256, 4096)], ("bf16", "int8"))]
+# --plan winners: the tuned lookahead-1 winners only, for an old-tree/new-tree A/B of any epilogue change
+# (eighth session: the instruction diet), BT=8192 with the lm_head (the BS=16 gap)
+WINNERS = [
+    (512, [(S[10], (1,)), (S[7], (1,))],
+     [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096)], ("bf16", "int8")),
+    (8192, [(G[4], (1,)), (G[0], (1,))], [(4096, 4096), (14336, 4096), (128256, 4096)], ("bf16",)),
+]
 
 
 def with_la(cfg, la):
@@ -71,9 +79,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--plan", choices=["full", "quick", "flatten"], default="full")
+    ap.add_argument("--plan", choices=["full", "quick", "flatten", "winners"], default="full")
     a = ap.parse_args()
-    plan = {"full": PLAN, "quick": QUICK, "flatten": FLATTEN}[a.plan]
+    plan = {"full": PLAN, "quick": QUICK, "flatten": FLATTEN, "winners": WINNERS}[a.plan]
     las = lambda t: t if HAS_LA else (0,)  # noqa: E731
     t0 = time.time()
     specs = [dict(config=with_la(c, la), kinds=fused.ADAM_STATE_KINDS[m])

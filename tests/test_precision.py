@@ -56,6 +56,42 @@ def test_to_bf16_brackets_and_keeps_specials():
     assert not torch.equal(y[3:], down[3:])  # stochastic, not nearest
 
 
+def test_random16_halves_are_two_uniform_disjoint_draws():
+    """The weight's store takes the hash's low 16 bits and slot 0's state the high 16 bits of the same
+    hash (the kernel computes one hash for both): each half is uniform, and they are uncorrelated."""
+    offs = torch.arange(1 << 16)
+    lo, hi = precision.random16(offs, 12345), precision.random16(offs, 12345, high=True)
+    h = precision.hash32((offs + 12345) & precision.MASK32)
+    assert torch.equal(lo, h & 0xFFFF) and torch.equal(hi, h >> 16)
+    for r in (lo, hi):  # uniform on [0, 2**16): mean and the 16 bucket counts of the top 4 bits
+        assert abs(r.double().mean().item() / 65535 - 0.5) < 0.01
+        counts = torch.bincount(r >> 12, minlength=16).double()
+        assert ((counts - 4096).abs() < 5 * 64).all()  # 5 sigma of a binomial(65536, 1/16)
+    corr = torch.corrcoef(torch.stack([lo.double(), hi.double()]))[0, 1].item()
+    assert abs(corr) < 0.02
+    assert (lo == hi).float().mean().item() < 0.001
+
+
+def test_first_state_rounds_with_the_high_half_of_the_weights_hash():
+    """torch backend: W and the slot-0 state (exp_avg) of one update are rounded with the two halves of
+    hash(offset + key_weight), the slot-1 state with its own key; the Triton kernel draws the same."""
+    rows, cols = 8, 64
+    w = torch.randn(rows, cols).bfloat16()
+    m, v = (torch.randn(rows, cols) * 0.01).bfloat16(), (torch.rand(rows, cols) * 0.01).bfloat16()
+    group = dict(AdamWRule.defaults)
+    specs = AdamWRule.state_specs(group)
+    job = UpdateJob(weight=w.clone(), rule=AdamWRule, coeffs=AdamWRule.padded(AdamWRule.coefficients(group, {}, 1)),
+                    states=[StateView(specs[0], m.clone()), StateView(specs[1], v.clone())],
+                    stochastic_weight=True, stochastic_state=True, key_weight=1111, key_states=(2222, 3333))
+    g = torch.randn(rows, cols)
+    apply_update(job, g)
+    w_new, (m_new, v_new) = AdamWRule.update(w.float(), g, [m.float(), v.float()], job.coeffs)
+    offs = torch.arange(rows * cols).view(rows, cols)
+    assert torch.equal(job.weight, precision.to_bf16(w_new, True, 1111, offs))
+    assert torch.equal(job.states[0].data, precision.to_bf16(m_new, True, 1111, offs, high=True))
+    assert torch.equal(job.states[1].data, precision.to_bf16(v_new, True, 3333, offs))
+
+
 @pytest.mark.parametrize("nonnegative", [False, True])
 def test_int8_quantization_error_is_half_a_step(nonnegative):
     x = torch.randn(7, 150).abs() if nonnegative else torch.randn(7, 150)

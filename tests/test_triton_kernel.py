@@ -368,6 +368,18 @@ if INTERP:
                 assert torch.equal(v.data[7], old[7])
         compare(job, ref, mode, f"nonfinite/{mode}")
 
+    def test_nonfinite_count_when_a_tiles_finite_sum_overflows():
+        """The per-tile count first tests the tile's sum (one add per element); finite entries whose sum
+        overflows fail that test, and the exact count that follows must find none."""
+        dy, x = torch.zeros(BT0, M0), torch.zeros(BT0, N0)
+        dy[0, :], x[0, :] = 2.0**60, 2.0**58  # G = 2**118 everywhere: finite, a tile's sum is not
+        job = make_job("SGD", "fp32", M0, N0)
+        w0 = job.weight.clone()
+        job, ref = run_both(job, dy, x)
+        assert int(job.nonfinite) == 0 == int(ref.nonfinite)
+        assert not torch.equal(job.weight, w0)  # the update was applied
+        compare(job, ref, "fp32", "overflowing tile sum")
+
     def test_nonfinite_counter_optional():
         dy, x = exact_inputs(BT0, M0, N0)
         dy = dy.clone()

@@ -15,7 +15,9 @@ INT8_BLOCK = 64  # contiguous elements along the last (D_in) axis that share one
 SIGNED_QMAX = 127.0  # signed states (m): int8 in [-127, 127]
 UNSIGNED_QMAX = 255.0  # non-negative states (v): uint8 in [0, 255], floored to >= 1 when v > 0
 
-# Stores that draw random bits; each gets its own stream so W and m never share a draw.
+# Stores that draw random bits, one key each. The state in slot 0 draws the high half of the weight's
+# hash instead of a hash of its own (``random16``): W and m never share bits, and the kernel computes
+# one hash for both stores.
 SITE_WEIGHT, SITE_STATE0 = 0, 1
 # A row-sparse step's gathered rows (Backend.update_from_row_sparse) re-key their site's key with this.
 SITE_GATHERED = 0x51
@@ -57,12 +59,15 @@ def stream_key(seed: int, param_index: int, step: int, site: int) -> int:
     return site_key(step_key(seed, param_index, step), site)
 
 
-def random16(offsets: torch.Tensor, key: int) -> torch.Tensor:
-    """16 random bits per element from its linear offset in the parameter."""
-    return hash32((offsets + key) & MASK32) & 0xFFFF
+def random16(offsets: torch.Tensor, key: int, high: bool = False) -> torch.Tensor:
+    """16 random bits per element from its linear offset in the parameter: the low half of the hash,
+    or with ``high`` its high half (a second, disjoint draw from the same hash)."""
+    h = hash32((offsets + key) & MASK32)
+    return h >> 16 if high else h & 0xFFFF
 
 
-def to_bf16(x: torch.Tensor, stochastic: bool, key: int = 0, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def to_bf16(x: torch.Tensor, stochastic: bool, key: int = 0, offsets: torch.Tensor | None = None,
+            high: bool = False) -> torch.Tensor:
     """fp32 -> bf16. Stochastic: round up with probability equal to the discarded fraction.
 
     Adding 16 random bits to the fp32 bit pattern and truncating is unbiased for finite values
@@ -72,14 +77,15 @@ def to_bf16(x: torch.Tensor, stochastic: bool, key: int = 0, offsets: torch.Tens
     if not stochastic:
         return x.to(torch.bfloat16)
     bits = x.view(torch.int32).to(torch.int64)
-    bits = (bits + random16(offsets, key)) & ~0xFFFF
+    bits = (bits + random16(offsets, key, high)) & ~0xFFFF
     return bits.to(torch.int32).view(torch.float32).to(torch.bfloat16)
 
 
-def store_float(dst: torch.Tensor, value32: torch.Tensor, stochastic: bool, key: int, offsets) -> None:
+def store_float(dst: torch.Tensor, value32: torch.Tensor, stochastic: bool, key: int, offsets,
+                high: bool = False) -> None:
     """Write fp32 values into a float tensor of any supported dtype."""
     if dst.dtype == torch.bfloat16:
-        dst.copy_(to_bf16(value32, stochastic, key, offsets))
+        dst.copy_(to_bf16(value32, stochastic, key, offsets, high))
     else:
         dst.copy_(value32)
 

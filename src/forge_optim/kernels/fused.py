@@ -64,21 +64,32 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
 
 
 @jit
-def _hash16(off_u32, key):
-    """16 random bits per element: hash32((offset + key) mod 2**32) & 0xFFFF (precision.random16)."""
+def _hash32(off_u32, key):
+    """precision.hash32((offset + key) mod 2**32)."""
     h = off_u32 + key.to(tl.uint32)
     h = ((h >> 16) ^ h) * 0x045D9F3B
     h = ((h >> 16) ^ h) * 0x045D9F3B
-    h = (h >> 16) ^ h
-    return h & 0xFFFF
+    return (h >> 16) ^ h
 
 
 @jit
-def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr):
+def _random16(off_u32, key, HIGH: tl.constexpr):
+    """16 random bits per element (precision.random16): the hash's low half, or with HIGH its high
+    half. The weight's store takes the low half and the first state's the high half of one hash (the
+    compiler computes it once): three bf16 stores cost two hashes, not three."""
+    h = _hash32(off_u32, key)
+    if HIGH:
+        return h >> 16
+    else:
+        return h & 0xFFFF
+
+
+@jit
+def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr, HIGH: tl.constexpr):
     """fp32 -> bf16, stochastic (add 16 hashed bits, truncate) or round-to-nearest-even."""
     if SR:
         bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + _hash16(hoff, key)) & 0xFFFF0000
+        bits = (bits + _random16(hoff, key, HIGH)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
     else:
         if INTERPRET:  # the interpreter's cast truncates: round the bit pattern first
@@ -132,12 +143,12 @@ def _raw_value(q, sc, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 
 @jit
 def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, key,
-                 KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr,
+                 KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr, HIGH: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr):
     if KIND == 1:
         tl.store(s_ptr + lin, value, mask=mask)
     elif KIND == 2:
-        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET), mask=mask)
+        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET, HIGH), mask=mask)
     elif KIND == 3 or KIND == 4:
         NB: tl.constexpr = BN // 64
         x = tl.reshape(tl.where(mask, value, 0.0), (BM, NB, 64))
@@ -257,21 +268,22 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         if COUNT_NF:  # the gradient includes the buffer: counted here, slice by slice
             _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM, BN)
         if W_BF16:
-            tl.store(w_t + rel, _to_bf16(w_new, hoff, key_w, W_SR, INTERPRET), mask=mask)
+            tl.store(w_t + rel, _to_bf16(w_new, hoff, key_w, W_SR, INTERPRET, False), mask=mask)
         else:
             tl.store(w_t + rel, w_new, mask=mask)
         if S0 != 0:
             s0_new = tl.where(finite, s0_new, s0_old)
-            _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s0,
-                         S0, S_SR, INTERPRET, BM, BN)
+            # slot 0 draws the high half of the weight's hash (key_s0 is not used: _random16)
+            _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_w,
+                         S0, S_SR, INTERPRET, True, BM, BN)
         if S1 != 0:
             s1_new = tl.where(finite, s1_new, s1_old)
             _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s1,
-                         S1, S_SR, INTERPRET, BM, BN)
+                         S1, S_SR, INTERPRET, False, BM, BN)
         if S2 != 0:
             s2_new = tl.where(finite, s2_new, s2_old)
             _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s2,
-                         S2, S_SR, INTERPRET, BM, BN)
+                         S2, S_SR, INTERPRET, False, BM, BN)
 
 
 @jit
@@ -286,6 +298,17 @@ def _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM: tl.constexpr, BN: tl.const
     bad = tl.sum(tl.where(inr & (tl.abs(g) < float("inf")), 0, tl.where(inr, 1, 0)))
     if bad > 0:
         tl.atomic_add(nf_ptr, bad.to(tl.int64))
+
+
+@jit
+def _count_nonfinite_tile(acc, row0, col0, M, N, nf_ptr, BM: tl.constexpr, BN: tl.constexpr):
+    """``_count_nonfinite`` of a whole tile's accumulator at one add per element on the fast path,
+    instead of a test, a select and an add: the tile's sum is finite unless an entry is not finite.
+    If it is not (also when finite entries overflow the sum, or when an out-of-range entry is NaN:
+    a zero-padded X column times an infinite dY entry), the exact count runs and finds the truth."""
+    total = tl.sum(tl.sum(acc, axis=1), axis=0)
+    if not (tl.abs(total) < float("inf")):  # False for NaN and +-Inf
+        _count_nonfinite(acc, row0, col0, M, N, nf_ptr, BM, BN)
 
 
 @jit
@@ -429,7 +452,7 @@ def forge_fused_kernel(
         # Non-finite count: from the whole tile at once where the gradient is acc * (+-1); per slice
         # (after the buffer is added) otherwise.
         if HAS_NF and not HAS_BUF and MODE == 0:
-            _count_nonfinite(acc, row0, col0, M, N, nf_ptr, BM, BN)
+            _count_nonfinite_tile(acc, row0, col0, M, N, nf_ptr, BM, BN)
         P = (w_ptr, s0_ptr, s1_ptr, s2_ptr, sc0_ptr, sc1_ptr, sc2_ptr, buf_ptr, nf_ptr)
         C = (c0, c1, c2, c3, c4, c5, c6, c7, grad_sign)
         K = (key_w, key_s0, key_s1, key_s2)

@@ -1,7 +1,7 @@
 """Adagrad with learning-rate decay (torch.optim.Adagrad)."""
 from __future__ import annotations
 
-from .._triton import jit, tl  # noqa: F401
+from .._triton import fast_div, jit, tl  # noqa: F401
 from .base import Rule, StateSpec
 
 
@@ -43,5 +43,5 @@ class Adagrad(Rule):
     def triton_update(w, g, s0, s1, s2, clr, wd, eps, c3, c4, c5, c6, c7):
         g = g + w * wd
         s0 = s0 + g * g
-        w = w - clr * (g / (tl.sqrt(s0) + eps))
+        w = w - clr * fast_div(g, tl.sqrt(s0) + eps)
         return w, s0, s1, s2

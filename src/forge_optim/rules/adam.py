@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .._triton import jit, tl  # noqa: F401
+from .._triton import fast_div, jit, tl  # noqa: F401
 from ._moments import ADAM_STATES, adam_moments, adam_moments_tl
 from .base import Rule
 
@@ -39,6 +39,6 @@ class Adam(Rule):
     def triton_update(w, g, s0, s1, s2, wd, omb1, beta2, omb2, eps, step_size, bc2_sqrt, c7):
         g = g + w * wd
         s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
-        denom = tl.sqrt(s1) / bc2_sqrt + eps
-        w = w - step_size * (s0 / denom)
+        denom = tl.sqrt(s1) * (1.0 / bc2_sqrt) + eps
+        w = w - step_size * fast_div(s0, denom)
         return w, s0, s1, s2

@@ -1,7 +1,7 @@
 """NAdam with momentum decay (torch.optim.NAdam), L2 or decoupled weight decay."""
 from __future__ import annotations
 
-from .._triton import jit, tl  # noqa: F401
+from .._triton import fast_div, jit, tl  # noqa: F401
 from ._moments import ADAM_STATES, adam_moments, adam_moments_tl, apply_weight_decay, apply_weight_decay_tl
 from .base import Rule, weight_decay_term
 
@@ -53,8 +53,8 @@ class NAdam(Rule):
     def triton_update(w, g, s0, s1, s2, wd_term, omb1, beta2, omb2, eps, bc2, c_grad, c_avg):
         w, g = apply_weight_decay_tl(w, g, wd_term)
         s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
-        denom = tl.sqrt(s1 / bc2) + eps
-        w = w + c_grad * (g / denom)
-        w = w + c_avg * (s0 / denom)
+        denom = tl.sqrt(s1 * (1.0 / bc2)) + eps
+        w = w + c_grad * fast_div(g, denom)
+        w = w + c_avg * fast_div(s0, denom)
         return w, s0, s1, s2
 

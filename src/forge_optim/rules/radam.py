@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .._triton import jit, tl  # noqa: F401
+from .._triton import fast_div, jit, tl  # noqa: F401
 from ._moments import ADAM_STATES, adam_moments, adam_moments_tl, apply_weight_decay, apply_weight_decay_tl
 from .base import Rule, weight_decay_term
 
@@ -51,7 +51,7 @@ class RAdam(Rule):
         w, g = apply_weight_decay_tl(w, g, wd_term)
         s0, s1 = adam_moments_tl(s0, s1, g, omb1, beta2, omb2)
         if adaptive != 0:
-            w = w - (s0 * lr_bc1) * (rect_sqrt_bc2 / (tl.sqrt(s1) + eps))
+            w = w - (s0 * lr_bc1) * fast_div(rect_sqrt_bc2, tl.sqrt(s1) + eps)
         else:
             w = w - s0 * lr_bc1
         return w, s0, s1, s2

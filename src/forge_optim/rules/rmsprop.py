@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import jit, tl  # noqa: F401
+from .._triton import fast_div, jit, tl  # noqa: F401
 from .base import Rule, StateSpec
 
 
@@ -68,8 +68,8 @@ class RMSprop(Rule):
         else:
             avg = tl.sqrt(s0) + eps
         if momentum > 0:
-            s1 = s1 * momentum + g / avg
+            s1 = s1 * momentum + fast_div(g, avg)
             w = w - lr * s1
         else:
-            w = w - lr * (g / avg)
+            w = w - lr * fast_div(g, avg)
         return w, s0, s1, s2
