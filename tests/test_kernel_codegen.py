@@ -66,12 +66,13 @@ def test_epilogue_lookahead_issues_next_slice_loads_before_stores(states):
 def test_adamw_bf16_epilogue_draws_two_hashes_and_divides_approximately():
     """Per element of the bf16-weight, bf16-state AdamW epilogue: two SR hashes for three bf16 stores
     (W and m share one: the low and high halves), two multiplies each, and m / denom as one
-    div.approx.f32. Before, three hashes and a div.full.f32 with its range checks: the hot epilogue
-    went from 78 to 60 SASS instructions per element on the 64x64 config (benchmarks/NOTES.md,
-    eighth session). The one div.full.f32 left is the scalar 1 / sqrt(bias_correction2)."""
+    div.approx.ftz.f32 (its denominator clamped to FLT_MIN). Before, three hashes and a div.full.f32
+    with its range checks: the hot epilogue went from 78 to 57 SASS instructions per element on the
+    64x64 config (benchmarks/NOTES.md, eighth session). The div.full.f32 left is the scalar
+    1 / sqrt(bias_correction2)."""
     cfg = SMALL_BT_CONFIGS[-2]
     per_thread = cfg.BM * cfg.BN // (cfg.num_warps * 32)
     ptx = compile_fused(cfg, fused.S_BF16, fused.S_BF16).asm["ptx"]
     assert ptx.count(", 73244475;") == 2 * 2 * per_thread  # 0x045D9F3B, precision.HASH_MUL
-    assert ptx.count("div.approx.f32") == per_thread
+    assert ptx.count("div.approx.ftz.f32") == per_thread
     assert ptx.count("div.full.f32") <= 4  # scalars only (one per epilogue slice at most)

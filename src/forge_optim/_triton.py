@@ -23,25 +23,33 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Rules divide only by positive denominators (sqrt(v) + eps). Below 2**-126 (possible only with
+# eps < 2**-126) the denominator is raised to 2**-126: the quotient is then already beyond 2**126 |a|
+# in torch.optim too, and 0 / 0 (torch: NaN) gives 0 here.
+FLT_MIN = 1.1754943508222875e-38
+
 if HAS_TRITON:
+    _FLT_MIN = tl.constexpr(FLT_MIN)
+
     @jit
     def _div_approx(a, b):
-        # PTX div.approx.f32: a * (1/b), <= 2 ulp for 2**-126 <= |b| <= 2**126 (a rule's denominators:
-        # sqrt(v)+eps). The plain "/" lowers to div.full.f32, also <= 2 ulp, plus a range check and
-        # rescaling of both operands: 7 more instructions per element in the fused epilogue.
-        return tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=f,f,f", [a, b],
+        # PTX div.approx.ftz.f32: a * (1/b), <= 2 ulp for 2**-126 <= b <= 2**126 (MUFU.RCP + FMUL). The
+        # plain "/" lowers to div.full.f32, also <= 2 ulp, plus a range check and a rescale of both
+        # operands (7 more instructions per element in the fused epilogue); without .ftz, 4 more for
+        # denormal denominators, which the clamp to FLT_MIN (one FMNMX) excludes.
+        return tl.inline_asm_elementwise("div.approx.ftz.f32 $0, $1, $2;", "=f,f,f", [a, tl.maximum(b, _FLT_MIN)],
                                          dtype=tl.float32, is_pure=True, pack=1)
 
     @jit
     def _div_plain(a, b):
-        return a / b
+        return a / tl.maximum(b, _FLT_MIN)
 
     def _ptx_target() -> bool:
         import torch
 
         return not interpreting() and torch.version.hip is None
 
-    # fp32 a / b for the rules' Triton updates (the interpreter and ROCm have no PTX inline assembly)
+    # a / b (b > 0) for the rules' Triton updates (the interpreter and ROCm have no PTX inline assembly)
     fast_div = _div_approx if _ptx_target() else _div_plain
 else:  # pragma: no cover
     fast_div = None
