@@ -67,8 +67,8 @@ def test_adamw_bf16_epilogue_draws_two_hashes_and_divides_approximately():
     """Per element of the bf16-weight, bf16-state AdamW epilogue: two SR hashes for three bf16 stores
     (W and m share one: the low and high halves), two multiplies each, and m / denom as one
     div.approx.ftz.f32 (its denominator clamped to FLT_MIN). Before, three hashes and a div.full.f32
-    with its range checks: the hot epilogue went from 78 to 57 SASS instructions per element on the
-    64x64 config (benchmarks/NOTES.md, eighth session). The div.full.f32 left is the scalar
+    with its range checks: the hot epilogue went from 78 to 54 SASS instructions per element on the
+    64x64 config (with the high-half packing of the SR stores) (benchmarks/NOTES.md, eighth session). The div.full.f32 left is the scalar
     1 / sqrt(bias_correction2)."""
     cfg = SMALL_BT_CONFIGS[-2]
     per_thread = cfg.BM * cfg.BN // (cfg.num_warps * 32)

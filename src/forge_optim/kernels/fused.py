@@ -88,9 +88,11 @@ def _random16(off_u32, key, HIGH: tl.constexpr):
 def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr, HIGH: tl.constexpr):
     """fp32 -> bf16, stochastic (add 16 hashed bits, truncate) or round-to-nearest-even."""
     if SR:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + _random16(hoff, key, HIGH)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        bits = x.to(tl.uint32, bitcast=True) + _random16(hoff, key, HIGH)
+        if INTERPRET:
+            return (bits & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:  # the high half is the bf16 (PRMT packs two of them: no mask, no convert)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         if INTERPRET:  # the interpreter's cast truncates: round the bit pattern first
             bits = x.to(tl.uint32, bitcast=True)
@@ -250,8 +252,12 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         if HAS_BUF:  # an fp32 buffer, or a bf16 gradient read in place (update_from_grad): exact upcast
             g = g + b_raw.to(tl.float32)
         g = g * grad_sign
-        # linear offset of each element in the whole weight, mod 2**32 (hash input for SR)
-        hoff = rel.to(tl.uint32) + base.to(tl.uint32)
+        # hash input for SR: the linear offset of each element in the whole weight, mod 2**32, as an
+        # in-tile part (hoff) and the tile base, which is folded into each key (one add per element per
+        # hash, not two)
+        hoff = rel.to(tl.uint32)
+        hbase = base.to(tl.uint32)
+        hkey_w = hbase + key_w.to(tl.uint32)
         sb_idx = col0 // 64 + tl.arange(0, BN // 64)
         w_t = w_ptr + base
         s0_t = s0_ptr + base
@@ -268,21 +274,21 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         if COUNT_NF:  # the gradient includes the buffer: counted here, slice by slice
             _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM, BN)
         if W_BF16:
-            tl.store(w_t + rel, _to_bf16(w_new, hoff, key_w, W_SR, INTERPRET, False), mask=mask)
+            tl.store(w_t + rel, _to_bf16(w_new, hoff, hkey_w, W_SR, INTERPRET, False), mask=mask)
         else:
             tl.store(w_t + rel, w_new, mask=mask)
         if S0 != 0:
             s0_new = tl.where(finite, s0_new, s0_old)
             # slot 0 draws the high half of the weight's hash (key_s0 is not used: _random16)
-            _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_w,
+            _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hkey_w,
                          S0, S_SR, INTERPRET, True, BM, BN)
         if S1 != 0:
             s1_new = tl.where(finite, s1_new, s1_old)
-            _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s1,
+            _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hbase + key_s1.to(tl.uint32),
                          S1, S_SR, INTERPRET, False, BM, BN)
         if S2 != 0:
             s2_new = tl.where(finite, s2_new, s2_old)
-            _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, key_s2,
+            _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hbase + key_s2.to(tl.uint32),
                          S2, S_SR, INTERPRET, False, BM, BN)
 
 
