@@ -114,6 +114,12 @@ def _rint(x, INTERPRET: tl.constexpr):
 
 
 @jit
+def _cvt_rni_s32(x):
+    """Round half to even and convert to int32 in one instruction (F2I.RNI), for |x| < 2**31."""
+    return tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [x], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@jit
 def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
               KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One state of a [BM, BN] block as stored: values (fp32/bf16) or codes plus their [BM, BN/64]
@@ -161,13 +167,22 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
             qmax = 127.0
         scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
         inv = tl.where(absmax > 0, tl.div_rn(tl.full(absmax.shape, qmax, tl.float32), absmax), 0.0)
-        q = _rint(x * inv[:, :, None], INTERPRET)
-        if KIND == 4:
-            q = tl.where(x > 0, tl.minimum(tl.maximum(q, 1.0), 255.0), 0.0)
-            qs = tl.reshape(q, (BM, BN)).to(tl.uint8)
+        if INTERPRET:
+            q = _rint(x * inv[:, :, None], INTERPRET)
+            if KIND == 4:
+                q = tl.where(x > 0, tl.minimum(tl.maximum(q, 1.0), 255.0), 0.0)
+                qs = tl.reshape(q, (BM, BN)).to(tl.uint8)
+            else:
+                q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+                qs = tl.reshape(q, (BM, BN)).to(tl.int8)
         else:
-            q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-            qs = tl.reshape(q, (BM, BN)).to(tl.int8)
+            qi = _cvt_rni_s32(x * inv[:, :, None])
+            if KIND == 4:
+                qi = tl.where(x > 0, tl.minimum(tl.maximum(qi, 1), 255), 0)
+                qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
+            else:
+                qi = tl.minimum(tl.maximum(qi, -127), 127)
+                qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
         tl.store(s_ptr + lin, qs, mask=mask)
         if INTERPRET:
             smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
