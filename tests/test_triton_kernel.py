@@ -380,6 +380,22 @@ if INTERP:
         assert not torch.equal(job.weight, w0)  # the update was applied
         compare(job, ref, "fp32", "overflowing tile sum")
 
+    def test_zero_denominator_with_eps_zero_keeps_weight_finite():
+        """Rules divide with fast_div, whose denominator is raised to FLT_MIN: with eps=0, zero moments
+        and a zero gradient, AdamW's m / (sqrt(v) + eps) is 0 / 0, which torch.optim turns into a NaN
+        weight; the Triton kernel leaves the weight decayed and finite (_triton.FLT_MIN)."""
+        from forge_optim.backends.triton_backend import TritonBackend
+
+        job = make_job("AdamW", "fp32", M0, N0)
+        group = dict(RULES["AdamW"].defaults, lr=1e-2, weight_decay=0.1, eps=0.0)
+        job.coeffs = RULES["AdamW"].padded(RULES["AdamW"].coefficients(group, {}, 1))
+        for v in job.states:
+            v.data.zero_()
+        w0 = job.weight.clone()
+        TritonBackend().update(job, torch.zeros(BT0, M0), torch.zeros(BT0, N0))
+        assert torch.isfinite(job.weight).all()
+        torch.testing.assert_close(job.weight, w0 * (1 - 1e-2 * 0.1), rtol=1e-6, atol=0)
+
     def test_nonfinite_counter_optional():
         dy, x = exact_inputs(BT0, M0, N0)
         dy = dy.clone()
