@@ -45,11 +45,6 @@ ADAM_STATE_KINDS = {"fp32": (S_FP32, S_FP32, S_NONE), "bf16": (S_BF16, S_BF16, S
 
 QBLOCK = 64  # columns per int8 scale (precision.INT8_BLOCK)
 
-try:  # libdevice rint (round half to even) on the GPU; the interpreter lacks it
-    from triton.language.extra import libdevice as _libdevice
-except Exception:  # pragma: no cover
-    _libdevice = None
-
 
 @jit
 def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
@@ -105,18 +100,15 @@ def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr, HIGH: tl.c
 
 
 @jit
-def _rint(x, INTERPRET: tl.constexpr):
-    """Round half to even (torch.round) for |x| < 2**22."""
+def _round_to_int(x, INTERPRET: tl.constexpr):
+    """Round half to even (torch.round) and convert to int32, for |x| < 2**22: on the GPU one
+    cvt.rni.s32.f32 (F2I.RNI), which replaced a rint, a float clamp and a convert (NOTES.md, eighth
+    session); the interpreter has no inline assembly and rounds with the 1.5 * 2**23 trick."""
     if INTERPRET:
-        return (x + 12582912.0) - 12582912.0
+        return ((x + 12582912.0) - 12582912.0).to(tl.int32)
     else:
-        return _libdevice.rint(x)
-
-
-@jit
-def _cvt_rni_s32(x):
-    """Round half to even and convert to int32 in one instruction (F2I.RNI), for |x| < 2**31."""
-    return tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [x], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [x], dtype=tl.int32,
+                                         is_pure=True, pack=1)
 
 
 @jit
@@ -167,22 +159,13 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
             qmax = 127.0
         scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
         inv = tl.where(absmax > 0, tl.div_rn(tl.full(absmax.shape, qmax, tl.float32), absmax), 0.0)
-        if INTERPRET:
-            q = _rint(x * inv[:, :, None], INTERPRET)
-            if KIND == 4:
-                q = tl.where(x > 0, tl.minimum(tl.maximum(q, 1.0), 255.0), 0.0)
-                qs = tl.reshape(q, (BM, BN)).to(tl.uint8)
-            else:
-                q = tl.minimum(tl.maximum(q, -127.0), 127.0)
-                qs = tl.reshape(q, (BM, BN)).to(tl.int8)
+        qi = _round_to_int(x * inv[:, :, None], INTERPRET)
+        if KIND == 4:
+            qi = tl.where(x > 0, tl.minimum(tl.maximum(qi, 1), 255), 0)
+            qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
         else:
-            qi = _cvt_rni_s32(x * inv[:, :, None])
-            if KIND == 4:
-                qi = tl.where(x > 0, tl.minimum(tl.maximum(qi, 1), 255), 0)
-                qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
-            else:
-                qi = tl.minimum(tl.maximum(qi, -127), 127)
-                qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
+            qi = tl.minimum(tl.maximum(qi, -127), 127)
+            qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
         tl.store(s_ptr + lin, qs, mask=mask)
         if INTERPRET:
             smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
