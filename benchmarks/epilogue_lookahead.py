@@ -4,6 +4,7 @@
     PYTHONPATH=OLD/src python3 benchmarks/epilogue_lookahead.py --label old --out old.json
     ... --plan flatten        the flattened tile loop on the lookahead winners
     ... --plan winners        the tuned winners only: an old/new A/B of any later epilogue change
+    ... --plan bt8192         two CTAs per SM at BT=8192 against the tuned one-CTA configs
 
 The Nsight Compute profile of 2026-12-03 showed each epilogue slice issuing its loads of W, m, v only
 after the previous slice's stores (a later load may alias an earlier store, so neither the compiler
@@ -62,6 +63,13 @@ WINNERS = [
      [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096)], ("bf16", "int8")),
     (8192, [(G[4], (1,)), (G[0], (1,))], [(4096, 4096), (14336, 4096), (128256, 4096)], ("bf16",)),
 ]
+# --plan bt8192: at BT=8192 the tuned configs run one CTA per SM, so each tile's epilogue hides behind
+# nothing (the lm_head is 1.06x (c)); two 8-warp 128x128 CTAs per SM (98 KB of shared memory each,
+# register cap 128: 36 bytes of spill with 8 epilogue slices, 516 with 4, offline) let one CTA's
+# epilogue overlap the other's mainloop. Not in the tuned lists until measured.
+_P2 = L.KernelConfig(128, 128, 64, 8, 3, 8, 2, 8, maxnreg=128)
+BT8192 = [(8192, [(G[4], (1,)), (G[0], (1,)), (_P2, (1,)), (dataclasses.replace(_P2, prefetch=True), (1,))],
+           [(4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)], ("bf16",))]
 
 
 def with_la(cfg, la):
@@ -79,9 +87,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--plan", choices=["full", "quick", "flatten", "winners"], default="full")
+    ap.add_argument("--plan", choices=["full", "quick", "flatten", "winners", "bt8192"], default="full")
     a = ap.parse_args()
-    plan = {"full": PLAN, "quick": QUICK, "flatten": FLATTEN, "winners": WINNERS}[a.plan]
+    plan = {"full": PLAN, "quick": QUICK, "flatten": FLATTEN, "winners": WINNERS, "bt8192": BT8192}[a.plan]
     las = lambda t: t if HAS_LA else (0,)  # noqa: E731
     t0 = time.time()
     specs = [dict(config=with_la(c, la), kinds=fused.ADAM_STATE_KINDS[m])
