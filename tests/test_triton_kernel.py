@@ -396,6 +396,34 @@ if INTERP:
         assert torch.isfinite(job.weight).all()
         torch.testing.assert_close(job.weight, w0 * (1 - 1e-2 * 0.1), rtol=1e-6, atol=0)
 
+    def test_bf16_state_sr_draws_the_high_half_and_is_unbiased():
+        """A bf16 momentum buffer (slot 0) that grows by a quarter ULP per step: its stores round with
+        the high half of the weight's hash. The kernel's bits equal the torch backend's every step, and
+        the mean moves by a quarter ULP per step (unbiased)."""
+        from forge_optim.backends.triton_backend import TritonBackend
+        from forge_optim.rules.base import StateSpec
+
+        M, N, BT, steps = 64, 64, 16, 40
+        ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
+        rule = RULES["SGD"]
+        group = dict(rule.defaults, lr=0.0, momentum=1.0)  # buf += g, W unchanged
+        dy = torch.full((BT, M), ulp / 4 / BT)  # G = ulp / 4 everywhere (exact)
+        x = torch.ones(BT, N)
+        spec = StateSpec("momentum_buffer", 0)
+        bufs = [torch.ones(M, N, dtype=torch.bfloat16) for _ in range(2)]
+        w = [torch.ones(M, N, dtype=torch.bfloat16) for _ in range(2)]
+        for step in range(2, steps + 2):
+            for i, be in enumerate((TritonBackend(), TorchBackend(block_rows=32))):
+                job = UpdateJob(weight=w[i], rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
+                                states=[StateView(spec, bufs[i])], stochastic_weight=True, stochastic_state=True,
+                                key_weight=precision.stream_key(0, 0, step, precision.SITE_WEIGHT),
+                                key_states=(precision.stream_key(0, 0, step, precision.SITE_STATE0),))
+                be.update(job, dy, x)
+            assert torch.equal(bufs[0], bufs[1]), step
+        assert torch.equal(w[0], torch.ones_like(w[0]))
+        mean = ((bufs[0].float() - 1.0) / ulp).double().mean().item()
+        assert abs(mean - steps / 4) < 0.3, mean  # per-element std ~2.7 ULP, mean of 4096: ~0.04
+
     def test_nonfinite_counter_optional():
         dy, x = exact_inputs(BT0, M0, N0)
         dy = dy.clone()
@@ -865,6 +893,38 @@ def test_gpu_fp32_inputs_ieee():
     err = _relnorm(buf, ref)
     print(f"fp32 ieee accumulate rel err vs fp64 {err:.2e}")
     assert err < 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_state_sr_quarter_ulp():
+    """A bf16 momentum buffer (slot 0: the high half of the weight's hash) growing by a quarter ULP per
+    step for 100 steps moves by 25 ULP on average (unbiased), and the weight (lr = 0) keeps its bits."""
+    from forge_optim.rules.base import StateSpec
+
+    M, N, BT = 4096, 4096, 512
+    ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
+    rule = RULES["SGD"]
+    group = dict(rule.defaults, lr=0.0, momentum=1.0)  # buf += g
+    buf = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(M, N, device="cuda", dtype=torch.bfloat16)
+    dy = torch.full((BT, M), ulp / 4 / BT, device="cuda", dtype=torch.bfloat16)  # 2**-18: exact
+    x = torch.ones(BT, N, device="cuda", dtype=torch.bfloat16)  # G = ulp / 4 everywhere
+    be = _fixed_backend()
+    steps = 100
+    for step in range(2, steps + 2):
+        job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
+                        states=[StateView(StateSpec("momentum_buffer", 0), buf)],
+                        stochastic_weight=True, stochastic_state=True,
+                        key_weight=precision.stream_key(0, 0, step, precision.SITE_WEIGHT),
+                        key_states=(precision.stream_key(0, 0, step, precision.SITE_STATE0),))
+        be.update(job, dy, x)
+    torch.cuda.synchronize()
+    change = (buf.float() - 1.0) / ulp
+    mean = change.double().mean().item()
+    print(f"quarter-ULP state SR: mean change {mean:.4f} ULP (expect {steps / 4})")
+    assert abs(mean - steps / 4) < 0.02, mean
+    assert change.std().item() > 1.0
+    assert torch.equal(w, torch.ones_like(w))
 
 
 @pytest.mark.gpu
