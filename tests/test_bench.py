@@ -69,6 +69,27 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
     assert "skipped (not installed)" in text and "forge-bf16" in text and "ms/step" in text
 
 
+def test_repeat_reference_reports_the_drift_of_the_run_order(tmp_path, capsys):
+    """--repeat-reference runs the reference once more after the other methods: results.json keeps both
+    runs and their drift, and each method gets ratios to the mean of the two (order-neutral)."""
+    out = tmp_path / "run"
+    rc = bench.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--batch-size", "1", "--seq-len", "16",
+                     "--steps", "2", "--warmup", "1", "--methods", "torch-foreach-adamw,forge",
+                     "--repeat-reference", "--no-plots", "--out-dir", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    rep = res["reference_repeat"]
+    first = res["methods"]["torch-foreach-adamw"]
+    assert rep["method"] == "torch-foreach-adamw" and rep["status"] == "ok"
+    assert rep["first_ms_median"] == first["ms_median"] and rep["ms_median"] > 0
+    assert rep["drift_ms_median"] == round(rep["ms_median"] / first["ms_median"] - 1, 4)
+    mean = (first["ms_median"] + rep["ms_median"]) / 2
+    assert res["methods"]["forge-bf16"]["ratios"]["ms_vs_ref_mean"] == round(
+        res["methods"]["forge-bf16"]["ms_median"] / mean, 4)
+    assert list(res["methods"]) == ["torch-foreach-adamw", "forge-bf16"]  # the repeat is not a method row
+    assert "reference again (torch-foreach-adamw, run last)" in capsys.readouterr().out
+
+
 def test_failures_are_reported_not_lost(tmp_path):
     """A worker that dies leaves an error row; the others' numbers stay in results.json."""
     results = {"methods": {"none": {"status": "ok", "ms_median": 10.0},

@@ -105,6 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method-timeout", type=float, default=900.0, help="seconds before a method's process is killed")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds for the whole run: methods not started in time are reported as skipped")
+    p.add_argument("--repeat-reference", action="store_true",
+                   help="run the reference method (torch fused AdamW, else foreach) once more after all the "
+                        "others and report the drift between its two runs (process order, GPU clocks); the "
+                        "ratios *_vs_ref_mean divide by the mean of the two")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--plot-only", default=None, metavar="RESULTS_JSON",
                    help="redraw bars.png and memory_timeline.png from a results.json (into --out-dir or its folder)")
@@ -367,6 +371,16 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         _add_ratios(results)
         save()
         print(_row(m, r, results), flush=True)
+    ref = _ref(results)
+    if ns.repeat_reference and ref:
+        if ns.time_budget is not None and ns.time_budget - (time.time() - t_start) < 20:
+            results["reference_repeat"] = {"method": ref, "status": "skipped (time budget)"}
+        else:
+            results["reference_repeat"] = _reference_repeat(ref, results["methods"][ref],
+                                                            _run_method(ns, ref, out, False, t_start))
+        line = _repeat_line(results["reference_repeat"])
+        results["notes"].append(line.strip())
+        print(line, flush=True)
     results["elapsed_s"] = round(time.time() - t_start, 1)
     _add_ratios(results)
     save()
@@ -449,11 +463,38 @@ def _ref(results: dict) -> str | None:
     return None
 
 
+_REPEAT_KEYS = ("ms_median", "gpu_ms_per_step", "peak_gib")
+
+
+def _reference_repeat(ref: str, first: dict, again: dict) -> dict:
+    """The reference method's second run (after every other method) beside its first: the drift
+    between the two is what the run order alone moved (GPU clocks, host state)."""
+    rep = {"method": ref, "status": again.get("status")}
+    for k in _REPEAT_KEYS:
+        rep[k] = again.get(k)
+        rep[f"first_{k}"] = first.get(k)
+        d = _div(again.get(k), first.get(k))
+        rep[f"drift_{k}"] = None if d is None else round(d - 1.0, 4)
+    return rep
+
+
+def _repeat_line(rep: dict) -> str:
+    if rep.get("status") != "ok":
+        return f"  reference again ({rep['method']}): {rep.get('status')}"
+    parts = [f"ms/step={_fmt(rep['ms_median'])} (first {_fmt(rep['first_ms_median'])}, "
+             f"drift {rep['drift_ms_median']:+.1%})"]
+    if rep.get("drift_gpu_ms_per_step") is not None:
+        parts.append(f"GPU ms={_fmt(rep['gpu_ms_per_step'])} (drift {rep['drift_gpu_ms_per_step']:+.1%})")
+    return f"  reference again ({rep['method']}, run last): " + "  ".join(parts)
+
+
 def _add_ratios(results: dict) -> None:
     ms = results["methods"]
     ref = _ref(results)
     results["reference"] = ref
     none = ms.get("none") if ms.get("none", {}).get("status") == "ok" else None
+    rep = results.get("reference_repeat")
+    rep = rep if rep and rep.get("status") == "ok" and rep.get("method") == ref else None
     for r in ms.values():
         if r.get("status") != "ok":
             continue
@@ -463,6 +504,10 @@ def _add_ratios(results: dict) -> None:
             rat["ms_vs_ref"] = _div(r.get("ms_median"), rr.get("ms_median"))
             rat["gpu_ms_vs_ref"] = _div(r.get("gpu_ms_per_step"), rr.get("gpu_ms_per_step"))
             rat["peak_vs_ref"] = _div(r.get("peak_gib"), rr.get("peak_gib"))
+            if rep:  # against the mean of the reference's first and last runs (order-neutral)
+                for k, name in (("ms_median", "ms_vs_ref_mean"), ("gpu_ms_per_step", "gpu_ms_vs_ref_mean")):
+                    if rr.get(k) is not None and rep.get(k) is not None:
+                        rat[name] = _div(r.get(k), (rr[k] + rep[k]) / 2)
         if none:
             rat["ms_vs_none"] = _div(r.get("ms_median"), none.get("ms_median"))
             rat["gpu_ms_vs_none"] = _div(r.get("gpu_ms_per_step"), none.get("gpu_ms_per_step"))
