@@ -1,8 +1,10 @@
 #!/bin/bash
 # Issue 5 on the H200, in one device call (about 8 minutes): Llama-3.1-8B BS=1 SEQ=512, eager, every
 # method whose package is here (peers travel as wheels in .whl/), then torch.compile'd fused AdamW,
-# FORGE bf16 and the no-optimizer floor. Each phase has a time budget; methods not started in time
-# are reported as skipped, and results.json is rewritten after every method.
+# FORGE bf16 and the no-optimizer floor. The eager phase runs the reference (fused AdamW) again last
+# (--repeat-reference): the drift between its two runs is what the run order alone moved. Each phase
+# has a time budget; methods not started in time are reported as skipped, and results.json is
+# rewritten after every method.
 #   bash benchmarks/e2e_h200.sh OUTDIR        (BENCH_DEVICE=cpu BENCH_MODEL=tiny for a dry run)
 set -u
 OUTD=${1:-${OUT:-/tmp/e2e}}
@@ -22,7 +24,7 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,temperature.gpu --format=csv 2>/dev/null
 echo "setup $((SECONDS-START)) s"
 python3 -m forge_optim.cli.bench --device $DEV --model $MODEL --batch-size 1 --seq-len 512 \
-  --methods $METHODS --out-dir "$OUTD/eager" --time-budget $EAGER_BUDGET --method-timeout 100
+  --methods $METHODS --out-dir "$OUTD/eager" --time-budget $EAGER_BUDGET --method-timeout 100 --repeat-reference
 REM=$((TOTAL_BUDGET - (SECONDS - START)))
 echo "eager phase done at $((SECONDS-START)) s; compile phase budget $REM s"
 python3 -m forge_optim.cli.bench --device $DEV --model $MODEL --layers $COMPILE_LAYERS --batch-size 1 --seq-len 512 \
