@@ -16,11 +16,13 @@ With ``PREFETCH`` (GPU only) each tile's W, states and buffer are requested into
 mainloop (``_prefetch_l2``), so the epilogue's loads hit L2 (kernel v4 in benchmarks/NOTES.md).
 The epilogue runs on row slices (``_epilogue_tile``): ``_epi_load`` issues a slice's loads,
 ``_epi_apply`` updates and stores it, and with ``EPI_LOOKAHEAD`` the next slice's loads are issued
-before this slice's stores. The non-finite count is one reduction per tile (``_count_nonfinite``)
-where the gradient is the accumulator itself (NOTES.md, seventh session).
+before this slice's stores. Where the gradient is the accumulator itself, the non-finite count is
+one test of the tile's sum, and an exact count only when that sum is not finite
+(``_count_nonfinite_tile``; NOTES.md, seventh and eighth sessions).
 
-The numerics follow ``backends.torch_backend.apply_update`` op for op; the stochastic-rounding bits
-come from the same uint32 hash as ``precision.hash32``.
+The numerics follow ``backends.torch_backend.apply_update`` op for op, except that the rules divide
+with ``_triton.fast_div`` (div.approx, <= 2 ulp); the stochastic-rounding bits come from the same
+uint32 hash as ``precision.hash32`` (W and the slot-0 state: its low and high halves).
 
 Under ``TRITON_INTERPRET=1`` (constexpr ``INTERPRET``) every operand is upcast to fp32 before the
 dot and bf16 rounding is done by explicit bit arithmetic, because the interpreter's bf16 math is
@@ -115,7 +117,7 @@ def _round_to_int(x, INTERPRET: tl.constexpr):
 def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
               KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One state of a [BM, BN] block as stored: values (fp32/bf16) or codes plus their [BM, BN/64]
-    scales, not yet converted, so that a slice's loads can be issued early (``_epilogue_slices``) at
+    scales, not yet converted, so that a slice's loads can be issued early (``_epilogue_tile``) at
     the cost of its packed registers only."""
     if KIND == 0:
         return tl.zeros((BM, BN), dtype=tl.float32), tl.zeros((BM, BN // 64), dtype=tl.float32)
@@ -293,9 +295,9 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
 @jit
 def _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM: tl.constexpr, BN: tl.constexpr):
     """Add the number of in-range non-finite entries of the [BM, BN] gradient block at (row0, col0) to
-    ``nf_ptr`` (one CTA-wide reduction: two barriers). The kernel calls it once per tile on the
-    accumulator where the gradient is ``acc * grad_sign`` (grad_sign = +-1: same finiteness), and per
-    epilogue slice where a gradient buffer is added first."""
+    ``nf_ptr`` (one CTA-wide reduction: two barriers). Called per epilogue slice where a gradient
+    buffer is added first, and by ``_count_nonfinite_tile`` on a tile's accumulator (the gradient is
+    ``acc * grad_sign``, grad_sign = +-1: same finiteness) whose sum is not finite."""
     offs_m = row0 + tl.arange(0, BM)
     offs_n = col0 + tl.arange(0, BN)
     inr = (offs_m[:, None] < M) & (offs_n[None, :] < N)
