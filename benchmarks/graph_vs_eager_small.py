@@ -5,9 +5,13 @@ session: an apparent +60% in one A/B run was the host; the graph replays were eq
 
     PYTHONPATH=src python3 benchmarks/graph_vs_eager_small.py LABEL
 """
-import sys, torch
+import sys
+from pathlib import Path
+
+import torch
 from triton.testing import do_bench
-sys.path.insert(0, "benchmarks")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_kernel, from any working directory
 from bench_kernel import fixed_job, make_states, rotating_inputs
 from forge_optim.backends.triton_backend import TritonBackend
 from forge_optim.kernels import launch as L
