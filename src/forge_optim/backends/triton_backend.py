@@ -150,18 +150,23 @@ class TritonBackend(Backend):
     def _config(self, job, dy, x, kwargs) -> KernelConfig:
         if self.config is not None:
             return self.config
-        w = kwargs["weight"]
-        states = kwargs.get("states", (None, None, None))
-        shape = tuple(w.shape)
-        if dy.shape[0] == 0:  # element-wise jobs: an embedding's touched rows vary in number every step;
-            shape = (1 << max(0, shape[0] - 1).bit_length(), shape[1])  # one tuning per power of two
-        key = (shape, bt_regime(dy.shape[0]), str(w.dtype), str(dy.dtype),
-               job.rule.name if job is not None else "accumulate",
-               tuple(state_kind(s) if s is not None else 0 for s in states),
-               kwargs.get("grad_buffer") is not None, kwargs.get("nonfinite") is not None,
-               bool(kwargs.get("stochastic_weight")), bool(kwargs.get("stochastic_state")))
+        key = tuning_key(job, dy, kwargs)
+        return self.tuner.pick(key, dy.shape[0], lambda cfg: tuning_launch(kwargs, cfg), device=kwargs["weight"].device)
 
-        return self.tuner.pick(key, dy.shape[0], lambda cfg: tuning_launch(kwargs, cfg))
+
+def tuning_key(job: UpdateJob | None, dy: torch.Tensor, kwargs: dict) -> tuple:
+    """What a tuned config is cached under (and looked up by in kernels/tuned/*.json): shape, BT
+    regime, dtypes, rule, state layout and the epilogue's optional parts. ``job`` None: accumulate."""
+    w = kwargs["weight"]
+    states = kwargs.get("states", (None, None, None))
+    shape = tuple(w.shape)
+    if dy.shape[0] == 0:  # element-wise jobs: an embedding's touched rows vary in number every step;
+        shape = (1 << max(0, shape[0] - 1).bit_length(), shape[1])  # one tuning per power of two
+    return (shape, bt_regime(dy.shape[0]), str(w.dtype), str(dy.dtype),
+            job.rule.name if job is not None else "accumulate",
+            tuple(state_kind(s) if s is not None else 0 for s in states),
+            kwargs.get("grad_buffer") is not None, kwargs.get("nonfinite") is not None,
+            bool(kwargs.get("stochastic_weight")), bool(kwargs.get("stochastic_state")))
 
 
 def _chunk_key(key: int, chunk: int) -> int:

@@ -354,14 +354,20 @@ class Tuner:
     def winners(self) -> dict[str, dict]:
         return {repr(k): asdict(v) for k, v in self.cache.items()}
 
-    def pick(self, key: tuple, bt: int, run_on_clones) -> KernelConfig:
-        """``run_on_clones(cfg)`` returns a zero-argument callable that launches cfg on clones."""
+    def pick(self, key: tuple, bt: int, run_on_clones, device: torch.device | None = None) -> KernelConfig:
+        """``run_on_clones(cfg)`` returns a zero-argument callable that launches cfg on clones.
+
+        A config tuned offline on the whole weight for this key and device (kernels/tuned.py) is
+        taken after one trial launch on clones; otherwise the candidates are timed on clones."""
         if _INTERPRET:
             return INTERPRET_CONFIG
         if self.forced is not None:
             return self.forced
         if key in self.cache:
             return self.cache[key]
+        shipped = self._shipped(key, run_on_clones, device)
+        if shipped is not None:
+            return shipped
         cands = candidate_configs(bt)
         if len(cands) == 1:
             self.cache[key] = cands[0]
@@ -383,8 +389,27 @@ class Tuner:
         if results[0][0] == float("inf"):
             raise RuntimeError(f"no Triton config compiled for {key}: {results[0][2]}")
         self.cache[key] = results[0][1]
-        self.timings[key] = [(r[1].short(), r[0], r[2]) for r in results]
+        # after a shipped config's failure note, if there was one
+        self.timings[key] = self.timings.get(key, []) + [(r[1].short(), r[0], r[2]) for r in results]
         return results[0][1]
+
+    def _shipped(self, key: tuple, run_on_clones, device) -> KernelConfig | None:
+        from . import tuned
+
+        if not tuned.enabled():
+            return None
+        name = torch.cuda.get_device_name(device)
+        cfg = tuned.lookup(key, name)
+        if cfg is None:
+            return None
+        try:  # compiles, and proves the config fits this build (shared memory, registers)
+            run_on_clones(cfg)()
+        except Exception as err:  # noqa: BLE001 - a config that fails here is tuned at run time instead
+            self.timings[key] = [(cfg.short(), float("inf"), f"shipped config failed: {err!r}"[:200])]
+            return None
+        self.cache[key] = cfg
+        self.timings[key] = [(cfg.short(), None, f"tuned on the whole weight: {tuned.table_path(name).name}")]
+        return cfg
 
 
 _BOOL_FIELDS = ("use_tma", "flatten", "prefetch")

@@ -1,0 +1,70 @@
+"""Configs tuned offline on the whole weight, per device: the tuner's answer for shapes it knows.
+
+The runtime tuner (launch.Tuner) times candidates on clones of at most ``TUNE_ROWS`` rows, so that
+tuning never copies a weight-sized tensor. That sub-problem does not always rank the candidates as
+the whole weight does: on the H200 its picks ran 1-9% slower on the whole weight than the best
+candidate there, and a prefetch config that ties on 4096 rows of the lm_head runs 1.24x slower on
+all 128256 (benchmarks/tuner_fidelity.py, results/tuner-fidelity-2026-12-03.json).
+``benchmarks/tune_shapes.py`` times every candidate on the whole weight for the common shapes and
+writes ``tuned/<device>.json``; the tuner takes an entry from it when the device name and the tuning
+key match exactly, and times sub-problems as before for everything else.
+``FORGE_TUNED_TABLE=0`` turns the tables off (A/B runs, or after a kernel change that left a table stale).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+TABLE_DIR = Path(__file__).resolve().parent / "tuned"
+
+
+def table_path(device_name: str) -> Path:
+    """``NVIDIA H200`` -> tuned/nvidia_h200.json"""
+    return TABLE_DIR / (re.sub(r"[^0-9a-z]+", "_", device_name.lower()).strip("_") + ".json")
+
+
+def key_text(key: tuple) -> str:
+    """The tuning key as the tables store it (its repr: dtypes are strings, the rest ints/bools)."""
+    return repr(key)
+
+
+@lru_cache(maxsize=None)
+def load_table(device_name: str) -> dict:
+    """{key text: config dict} for ``device_name``; empty when there is no table or it is unreadable."""
+    path = table_path(device_name)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("device") != device_name:
+            raise ValueError(f"table is for {data.get('device')!r}")
+        return {e["key"]: dict(e["config"]) for e in data["entries"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        warnings.warn(f"forge_optim: ignoring the tuned-config table {path} ({err}); "
+                      "configs are tuned at run time instead", stacklevel=2)
+        return {}
+
+
+def enabled() -> bool:
+    return os.environ.get("FORGE_TUNED_TABLE", "1") != "0"
+
+
+def lookup(key: tuple, device_name: str):
+    """The KernelConfig tuned for ``key`` on ``device_name``, or None."""
+    if not enabled():
+        return None
+    cfg = load_table(device_name).get(key_text(key))
+    if cfg is None:
+        return None
+    from .launch import KernelConfig
+
+    try:
+        return KernelConfig(**cfg)
+    except (TypeError, ValueError) as err:  # a table written by another version of KernelConfig
+        warnings.warn(f"forge_optim: tuned config {cfg} no longer valid ({err}); tuning at run time",
+                      stacklevel=2)
+        return None

@@ -1,0 +1,188 @@
+"""The shipped tables of configs tuned on the whole weight (kernels/tuned.py, kernels/tuned/*.json)."""
+import ast
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import forge_optim
+from forge_optim.backends.triton_backend import launch_kwargs, tuning_key
+from forge_optim.kernels import launch as launch_mod
+from forge_optim.kernels import tuned
+from forge_optim.kernels.launch import (ELEMENTWISE_CONFIGS, LARGE_BT_CONFIGS, MID_BT_CONFIGS, SMALL_BT_CONFIGS,
+                                        KernelConfig, Tuner)
+
+SHIPPED = sorted(tuned.TABLE_DIR.glob("*.json"))
+ALL_CANDIDATES = set(SMALL_BT_CONFIGS + MID_BT_CONFIGS + LARGE_BT_CONFIGS + ELEMENTWISE_CONFIGS)
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """An empty table directory in place of the shipped one (and no cached tables)."""
+    monkeypatch.setattr(tuned, "TABLE_DIR", tmp_path)
+    tuned.load_table.cache_clear()
+    yield tmp_path
+    tuned.load_table.cache_clear()
+
+
+def _write(dirpath, device, entries):
+    path = dirpath / tuned.table_path(device).name
+    path.write_text(json.dumps(dict(device=device, entries=entries)))
+    return path
+
+
+KEY = ((4096, 4096), 512, "torch.bfloat16", "torch.bfloat16", "AdamW", (2, 2, 0), False, True, True, True)
+CFG = KernelConfig(128, 256, 64, 16, 3, 8, 1, 8)
+
+
+def test_table_path_is_the_device_name_in_lower_snake_case():
+    assert tuned.table_path("NVIDIA H200").name == "nvidia_h200.json"
+    assert tuned.table_path("NVIDIA GeForce RTX 4090").name == "nvidia_geforce_rtx_4090.json"
+
+
+def test_lookup_answers_only_the_exact_key_on_the_named_device(table_dir, monkeypatch):
+    from dataclasses import asdict
+
+    _write(table_dir, "Dev X", [dict(key=tuned.key_text(KEY), config=asdict(CFG))])
+    assert tuned.lookup(KEY, "Dev X") == CFG
+    assert tuned.lookup(KEY, "Dev Y") is None  # no table for that device
+    other = (KEY[0], 8192) + KEY[2:]
+    assert tuned.lookup(other, "Dev X") is None  # another BT regime
+    monkeypatch.setenv("FORGE_TUNED_TABLE", "0")
+    assert tuned.lookup(KEY, "Dev X") is None  # turned off
+
+
+def test_a_stale_or_foreign_table_is_ignored_with_a_warning(table_dir):
+    path = _write(table_dir, "Dev X", [dict(key=tuned.key_text(KEY), config=dict(BM=128, BN=100))])
+    with pytest.warns(UserWarning, match="no longer valid"):
+        assert tuned.lookup(KEY, "Dev X") is None  # BN not a multiple of 64: KernelConfig refuses it
+    path.write_text(json.dumps(dict(device="Dev Z", entries=[])))
+    tuned.load_table.cache_clear()
+    with pytest.warns(UserWarning, match="ignoring the tuned-config table"):
+        assert tuned.lookup(KEY, "Dev X") is None  # the file's device is not the one asked for
+    path.write_text("{not json")
+    tuned.load_table.cache_clear()
+    with pytest.warns(UserWarning, match="ignoring"):
+        assert tuned.lookup(KEY, "Dev X") is None
+
+
+def test_tuner_takes_the_shipped_config_after_one_trial_launch(table_dir, monkeypatch):
+    """A table hit launches the config once on clones (compiles it, proves it fits) and times nothing."""
+    from dataclasses import asdict
+
+    _write(table_dir, "Dev X", [dict(key=tuned.key_text(KEY), config=asdict(CFG))])
+    monkeypatch.setattr(launch_mod, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Dev X")
+    launched = []
+    t = Tuner()
+    t.forced = None
+    cfg = t.pick(KEY, 512, lambda c: (lambda: launched.append(c)))
+    assert cfg == CFG and launched == [CFG]
+    assert "whole weight" in t.timings[KEY][0][2]
+    assert t.pick(KEY, 512, lambda c: (lambda: launched.append(c))) == CFG and launched == [CFG]  # cached
+
+
+def test_tuner_falls_back_when_the_shipped_config_fails(table_dir, monkeypatch):
+    from dataclasses import asdict
+
+    _write(table_dir, "Dev X", [dict(key=tuned.key_text(KEY), config=asdict(CFG))])
+    monkeypatch.setattr(launch_mod, "_INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Dev X")
+    only = SMALL_BT_CONFIGS[1]
+    monkeypatch.setattr(launch_mod, "candidate_configs", lambda bt: (only,))  # one candidate: no timing
+
+    def run_on_clones(c):
+        def fn():
+            if c == CFG:
+                raise RuntimeError("out of shared memory")
+        return fn
+
+    t = Tuner()
+    t.forced = None
+    assert t.pick(KEY, 512, run_on_clones) == only
+    assert "shipped config failed" in t.timings[KEY][0][2]
+
+
+def _optimizer_key(state_dtype, monkeypatch, M=64, N=128, BT=16):
+    """The tuning key the optimizer's update of one bf16 Linear makes (CPU: the torch backend's
+    update is spied on, the job then keyed as TritonBackend would key it)."""
+    from forge_optim.backends.torch_backend import TorchBackend
+
+    caught = []
+    orig = TorchBackend.update
+
+    def spy(self, job, dy, x):
+        caught.append((job, dy, x))
+        return orig(self, job, dy, x)
+
+    monkeypatch.setattr(TorchBackend, "update", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(N, M, bias=False).to(torch.bfloat16))
+    forge_optim.AdamW(model, lr=1e-3, state_dtype=state_dtype, backend="torch")
+    model(torch.randn(BT, N, dtype=torch.bfloat16)).float().square().mean().backward()
+    job, dy, x = caught[0]
+    return tuning_key(job, dy, launch_kwargs(job, dy, x))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_table_keys_are_the_keys_the_optimizer_makes(path, monkeypatch):
+    """Every entry of a shipped table is reachable: apart from its shape and BT regime, its key is the
+    one forge_optim.AdamW's default update (bf16 weight, stochastic rounding, non-finite count) makes
+    for its state mode; its config is one of the tuner's candidates."""
+    data = json.loads(path.read_text())
+    assert data["device"] and data["entries"]
+    made = {mode: _optimizer_key(mode, monkeypatch) for mode in ("bf16", "int8")}
+    for e in data["entries"]:
+        key = ast.literal_eval(e["key"])
+        mode = e["states"]
+        assert key[0] == tuple(int(v) for v in e["shape"].split("x"))
+        assert key[1] == launch_mod.bt_regime(e["BT"])
+        assert key[2:] == made[mode][2:], (e["key"], made[mode])
+        assert KernelConfig(**e["config"]) in ALL_CANDIDATES
+
+
+@pytest.mark.gpu
+def test_gpu_backend_takes_the_shipped_config_on_a_tabled_shape():
+    """On a device with a shipped table, the first update of a tabled shape runs the table's config
+    (no sub-problem timing), and writes what the same config writes when forced."""
+    from forge_optim import precision
+    from forge_optim.backends.base import StateView, UpdateJob
+    from forge_optim.backends.triton_backend import TritonBackend
+    from forge_optim.rules import RULES
+
+    name = torch.cuda.get_device_name()
+    table = tuned.load_table(name)
+    if not table:
+        pytest.skip(f"no shipped table for {name}")
+    M, N, BT = 4096, 4096, 512
+    rule = RULES["AdamW"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+
+    def job():
+        g = torch.Generator(device="cuda").manual_seed(3)
+        w = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
+        views = [StateView(sp, (torch.randn(M, N, device="cuda", generator=g) * 1e-3).abs().bfloat16())
+                 for sp in rule.state_specs(dict(rule.defaults))]
+        return UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(dict(rule.defaults), {}, 5)),
+                         states=views, stochastic_weight=True, stochastic_state=True,
+                         key_weight=precision.stream_key(1, 2, 5, 0),
+                         key_states=(precision.stream_key(1, 2, 5, 1), precision.stream_key(1, 2, 5, 2), 0),
+                         nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+
+    dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
+    a, b = job(), job()
+    key = tuning_key(a, dy, launch_kwargs(a, dy, x))
+    if tuned.key_text(key) not in table:
+        pytest.skip(f"{name}'s table has no entry for {key}")
+    be = TritonBackend()
+    be.update(a, dy, x)
+    want = tuned.lookup(key, name)
+    assert be.tuner.cache[key] == want
+    assert "whole weight" in be.tuner.timings[key][0][2]
+    forced = TritonBackend(config=want)
+    forced.update(b, dy, x)
+    torch.cuda.synchronize()
+    assert torch.equal(a.weight, b.weight)
+    assert all(torch.equal(va.data, vb.data) for va, vb in zip(a.states, b.states))
