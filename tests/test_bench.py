@@ -110,3 +110,59 @@ def test_failures_are_reported_not_lost(tmp_path):
     results["methods"]["torch-fused-adamw"]["timeline"] = tl
     bench.plot_timeline(results, tmp_path / "t.png")
     assert (tmp_path / "b.png").exists() and (tmp_path / "t.png").exists()
+
+
+def test_loss_liger_is_refused_with_the_fix_named(monkeypatch):
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install liger-kernel"):
+        bench.check_loss("liger", "cuda")
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit, match="needs --device cuda"):
+        bench.check_loss("liger", "cpu")
+    bench.check_loss("liger", "cuda")  # found, on a GPU: accepted
+    bench.check_loss("hf", "cpu")
+    with pytest.raises(SystemExit):  # argparse: not a loss we know
+        bench.build_parser().parse_args(["--loss", "chunked"])
+
+
+_LIGER_VS_HF = r"""
+import torch
+from transformers.loss.loss_utils import ForCausalLMLoss
+from forge_optim.cli.bench import liger_causal_lm_loss
+torch.manual_seed(0)
+V = 300
+labels = torch.randint(0, V, (2, 9)); labels[0, 3] = -100; labels[1, 5:] = -100
+# bf16 logits for the mean (the bench's call: loss.backward() with grad 1); the sum / num_items path in
+# fp32, because its backward scales the bf16 gradient in a Triton kernel, and bf16 arithmetic is wrong
+# under the interpreter (DESIGN.md), not on the GPU
+for n_items, dtype in ((None, torch.bfloat16), (torch.tensor(11), torch.float32)):
+    base = torch.randn(2, 9, V).to(dtype)
+    a = base.clone().requires_grad_(); b = base.clone().requires_grad_()
+    la = ForCausalLMLoss(a * 1, labels, V, num_items_in_batch=n_items)   # * 1: a non-leaf, like lm_head's output
+    lb = liger_causal_lm_loss(b * 1, labels, V, num_items_in_batch=n_items)
+    la.backward(); lb.backward()
+    assert b.grad.dtype == dtype
+    rel = abs(lb.float().item() - la.item()) / la.item()
+    gerr = (a.grad.float() - b.grad.float()).abs().max().item() / a.grad.float().abs().max().item()
+    assert rel < 8e-3 and gerr < 1e-2, (n_items, rel, gerr)
+    print("ok", n_items, rel, gerr)
+"""
+
+
+def test_liger_loss_matches_hugging_face_causal_lm_loss():
+    """--loss liger computes the model's own loss (shift, ignore_index, mean or sum / num_items) and its
+    gradient, to bf16 round-off; run under Triton's interpreter in a child process (it must be set
+    before triton is imported)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("liger_kernel", reason="Liger-Kernel is in the [test] extra")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    src = str(Path(bench.__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    proc = subprocess.run([sys.executable, "-c", _LIGER_VS_HF], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok") == 2
