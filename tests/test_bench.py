@@ -60,6 +60,7 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
         assert hc["wall_s"] > 0 and hc["threads"] and hc["process_cpu_s"] > 0
         assert 0 <= hc["machine_busy_share"] <= 1
     assert res["methods"]["forge-bf16"]["fused_modules"] == 2 * 7 + 1
+    assert res["methods"]["forge-bf16"]["kernel_configs"] == {}  # the torch backend ran: no kernel configs
     assert res["methods"]["flashoptim"]["status"] == "skipped (not installed)"
     assert res["reference"] == "torch-foreach-adamw"
     assert res["methods"]["forge-bf16"]["ratios"]["ms_vs_ref"] > 0
@@ -166,3 +167,20 @@ def test_liger_loss_matches_hugging_face_causal_lm_loss():
     proc = subprocess.run([sys.executable, "-c", _LIGER_VS_HF], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok") == 2
+
+
+def test_kernel_configs_say_which_config_ran_and_where_it_came_from():
+    from types import SimpleNamespace
+
+    from forge_optim.kernels.launch import SMALL_BT_CONFIGS, Tuner
+
+    t = Tuner()
+    k1, k2, k3 = ((8, 64), 512), ((16, 64), 512), ((32, 64), 512)
+    t.cache = {k1: SMALL_BT_CONFIGS[0], k2: SMALL_BT_CONFIGS[1], k3: SMALL_BT_CONFIGS[2]}
+    t.timings = {k1: [(SMALL_BT_CONFIGS[0].short(), None, "tuned on the whole weight: nvidia_h200.json")],
+                 k2: [(SMALL_BT_CONFIGS[1].short(), 0.1, ""), (SMALL_BT_CONFIGS[0].short(), 0.2, "")]}
+    opt = SimpleNamespace(_backends={"cuda:0": SimpleNamespace(tuner=t), "cpu": SimpleNamespace()})
+    got = bench.kernel_configs(opt)
+    assert got == {repr(k1): {"config": SMALL_BT_CONFIGS[0].short(), "source": "table"},
+                   repr(k2): {"config": SMALL_BT_CONFIGS[1].short(), "source": "sub-problem"},
+                   repr(k3): {"config": SMALL_BT_CONFIGS[2].short(), "source": "only candidate"}}

@@ -186,6 +186,27 @@ def liger_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=Non
         else total / num_items_in_batch
 
 
+def kernel_configs(opt) -> dict:
+    """Which fused-kernel config ran for each tuning key of ``opt``'s Triton backends, and where it came
+    from: ``table`` (tuned on the whole weight, kernels/tuned/), ``sub-problem`` (timed at run time on
+    clones of <= 4096 rows), ``only candidate``. Empty where the torch backend ran (CPU)."""
+    out = {}
+    for be in getattr(opt, "_backends", {}).values():
+        tuner = getattr(be, "tuner", None)
+        if tuner is None:
+            continue
+        for key, cfg in tuner.cache.items():
+            notes = tuner.timings.get(key, [])
+            if any("whole weight" in str(n[2]) for n in notes):
+                source = "table"
+            elif any(isinstance(n[1], float) for n in notes):
+                source = "sub-problem"
+            else:
+                source = "only candidate"
+            out[repr(key)] = {"config": cfg.short(), "source": source}
+    return out
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -993,6 +1014,8 @@ def _worker(ns, m: str, r: dict, save) -> None:
         "loss_first": float(losses[0]) if losses else None, "loss_last": float(losses[-1]) if losses else None,
         "first_step_ms": warm[0] if warm else None,
     })
+    if m.startswith("forge"):
+        r["kernel_configs"] = kernel_configs(opt)
     if cuda:
         r["peak_steady_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         r["mem_steady_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
