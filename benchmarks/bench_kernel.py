@@ -135,14 +135,14 @@ def run(args):
         import time
 
         from forge_optim.kernels import fused as fk
-        from forge_optim.kernels.launch import (EXPLORE_SMALL_BT_CONFIGS, LARGE_BT_CONFIGS, SMALL_BT_CONFIGS,
+        from forge_optim.kernels.launch import (ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS,
                                                 precompile)
 
         t0 = time.time()
         kinds = fk.ADAM_STATE_KINDS
         explore = EXPLORE_SMALL_BT_CONFIGS if os.environ.get("FORGE_TUNE_EXPLORE") == "1" else ()
         specs = [dict(config=c, kinds=kinds[m])
-                 for c in dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS + explore) for m in args.modes]
+                 for c in dict.fromkeys(ALL_TUNED_CONFIGS + explore) for m in args.modes]
         res = precompile(specs)
         print(f"precompiled {len(specs)} variants in {time.time() - t0:.0f}s", flush=True)
         for line in res:

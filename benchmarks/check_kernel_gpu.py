@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from forge_optim.kernels import fused  # noqa: E402
-from forge_optim.kernels.launch import (GPU_TEST_CONFIG, LARGE_BT_CONFIGS, SMALL_BT_CONFIGS,  # noqa: E402
+from forge_optim.kernels.launch import (ALL_TUNED_CONFIGS, GPU_TEST_CONFIG,  # noqa: E402
                                         candidate_configs, precompile)
 
 BF16_STATES = fused.ADAM_STATE_KINDS["bf16"]
@@ -39,7 +39,7 @@ FP32_STATES = fused.ADAM_STATE_KINDS["fp32"]
 
 
 def bench_specs():
-    cfgs = list(dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS))
+    cfgs = list(ALL_TUNED_CONFIGS)
     return [dict(config=c, kinds=k) for c in cfgs for k in (BF16_STATES, INT8_STATES)]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from forge_optim.kernels import fused
-from forge_optim.kernels.launch import LARGE_BT_CONFIGS, SMALL_BT_CONFIGS
+from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
 from forge_optim.kernels.offline import compile_fused as compile_cfg
 from forge_optim.kernels.ptxas import ptxas_usage
 
@@ -29,7 +29,7 @@ def ptxas_report(ptx: str, sass: bool):
 def main():
     sass = "--sass" in sys.argv
     rows = []
-    cfgs = list(dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS))
+    cfgs = list(ALL_TUNED_CONFIGS)
     if "--first" in sys.argv:
         cfgs = cfgs[:1]
     for cfg in cfgs:

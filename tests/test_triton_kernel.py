@@ -647,6 +647,7 @@ def test_explore_configs_only_on_request(monkeypatch):
     from forge_optim.kernels.launch import LARGE_BT_CONFIGS
 
     assert candidate_configs(8192) == LARGE_BT_CONFIGS  # large BT unchanged
+    assert not any(c.prefetch for c in LARGE_BT_CONFIGS)  # a trap at BT=8192 (launch.py, measured)
     assert all(c.BN % 64 == 0 for c in EXPLORE_SMALL_BT_CONFIGS)
 
 
@@ -829,11 +830,11 @@ def test_gpu_prefetch_changes_no_bit(mode):
     from dataclasses import replace
 
     from forge_optim.backends.triton_backend import TritonBackend
-    from forge_optim.kernels.launch import LARGE_BT_CONFIGS, SMALL_BT_CONFIGS
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
 
     M, N, BT = 1000, 3008, 515
     dy, x = _gpu_inputs(BT, M, N, seed=3)
-    twins = [c for c in dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS) if c.prefetch]
+    twins = [c for c in ALL_TUNED_CONFIGS if c.prefetch]
     assert twins
     for cfg in twins:
         a = make_job("AdamW", mode, M, N, device="cuda", seed=4)
@@ -857,12 +858,12 @@ def test_gpu_lookahead_changes_no_bit(mode):
     from dataclasses import replace
 
     from forge_optim.backends.triton_backend import TritonBackend
-    from forge_optim.kernels.launch import LARGE_BT_CONFIGS, SMALL_BT_CONFIGS
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, SMALL_BT_CONFIGS
 
     M, N, BT = 1000, 3008, 515
     dy, x = _gpu_inputs(BT, M, N, seed=5)
     dy[7, 11] = float("nan")  # a non-finite gradient row: the per-tile count and the guard
-    twins = [c for c in dict.fromkeys(SMALL_BT_CONFIGS + LARGE_BT_CONFIGS) if c.epi_lookahead]
+    twins = [c for c in ALL_TUNED_CONFIGS if c.epi_lookahead]
     twins.append(replace(SMALL_BT_CONFIGS[-2], epi_lookahead=2))
     for cfg in twins:
         a = make_job("AdamW", mode, M, N, device="cuda", seed=6)
