@@ -19,8 +19,10 @@ ALL_CANDIDATES = set(SMALL_BT_CONFIGS + MID_BT_CONFIGS + LARGE_BT_CONFIGS + ELEM
 
 @pytest.fixture
 def table_dir(tmp_path, monkeypatch):
-    """An empty table directory in place of the shipped one (and no cached tables)."""
+    """An empty table directory in place of the shipped one, an empty user directory beside it (and
+    no cached tables)."""
     monkeypatch.setattr(tuned, "TABLE_DIR", tmp_path)
+    monkeypatch.setenv("FORGE_TUNED_DIR", str(tmp_path / "user"))
     tuned.load_table.cache_clear()
     yield tmp_path
     tuned.load_table.cache_clear()
@@ -186,3 +188,100 @@ def test_gpu_backend_takes_the_shipped_config_on_a_tabled_shape():
     torch.cuda.synchronize()
     assert torch.equal(a.weight, b.weight)
     assert all(torch.equal(va.data, vb.data) for va, vb in zip(a.states, b.states))
+
+
+def test_a_user_table_overrides_the_shipped_one(table_dir):
+    from dataclasses import asdict
+
+    other = KernelConfig(128, 128, 64, 8, 3, 8, 1, 4)
+    _write(table_dir, "Dev X", [dict(key=tuned.key_text(KEY), config=asdict(CFG))])
+    assert tuned.lookup(KEY, "Dev X") == CFG
+    user = tuned.user_table_path("Dev X")
+    assert user.parent == table_dir / "user"
+    user.parent.mkdir()
+    _write(user.parent, "Dev X", [dict(key=tuned.key_text(KEY), config=asdict(other))])
+    tuned.load_table.cache_clear()
+    assert tuned.lookup(KEY, "Dev X") == other
+
+
+def test_user_table_dir_defaults_to_the_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("FORGE_TUNED_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuned.user_table_path("NVIDIA H200") == tmp_path / "forge_optim" / "tuned" / "nvidia_h200.json"
+
+
+def test_linear_shapes_are_the_fused_linears_of_the_published_configs():
+    from forge_optim.bench_models import config_dict
+    from forge_optim.kernels.tune import linear_shapes
+
+    assert linear_shapes(config_dict("Llama-3.1-8B")) == [(4096, 4096), (1024, 4096), (14336, 4096),
+                                                         (4096, 14336), (128256, 4096)]
+    # Qwen3-0.6B ties its lm_head to the embedding (not fused: patch.py); 16 heads of 128 > hidden 1024
+    assert linear_shapes(config_dict("Qwen3-0.6B")) == [(2048, 1024), (1024, 1024), (1024, 2048), (3072, 1024),
+                                                       (1024, 3072)]
+    assert (151936, 5120) in linear_shapes(config_dict("Qwen3-14B"))
+
+
+def test_write_table_merges_with_this_devices_entries(tmp_path, monkeypatch):
+    from forge_optim.kernels import tune
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Dev X")
+    path = tmp_path / "t.json"
+    e1 = dict(key="k1", shape="8x64", BT=512, states="bf16", config={"BM": 128}, ms=1.0, timings_ms={})
+    e2 = dict(e1, key="k2")
+    tune.write_table([e1, e2], path)
+    tune.write_table([dict(e1, ms=0.5)], path)  # re-tuned k1: replaced; k2 kept
+    data = json.loads(path.read_text())
+    assert data["device"] == "Dev X" and data["source_digest"]
+    assert sorted((e["key"], e["ms"]) for e in data["entries"]) == [("k1", 0.5), ("k2", 1.0)]
+    tune.write_table([e2], path, merge=False)
+    assert [e["key"] for e in json.loads(path.read_text())["entries"]] == ["k2"]
+
+
+def test_tune_cli_refuses_bad_input_and_a_machine_without_a_gpu(monkeypatch, capsys):
+    from forge_optim.cli.main import main
+
+    for argv, msg in ((["--states", "fp8"], "--states takes bf16"), (["--bts", "512,x"], "--bts takes"),
+                      (["--bts", "0"], "--bts takes"), (["--model", "no-such"], "no-such")):
+        with pytest.raises(SystemExit, match=msg):
+            main(["tune"] + argv)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        main(["tune", "--model", "Qwen3-0.6B"])
+
+
+@pytest.mark.gpu
+def test_gpu_tune_writes_a_table_that_the_next_update_takes(tmp_path, monkeypatch):
+    """forge-optim tune on one small shape: the winner lands in the user table, and a fresh backend's
+    first update of that shape runs it without timing sub-problems."""
+    from forge_optim import precision
+    from forge_optim.backends.base import StateView, UpdateJob
+    from forge_optim.backends.triton_backend import TritonBackend
+    from forge_optim.kernels import tune
+    from forge_optim.rules import RULES
+
+    monkeypatch.setenv("FORGE_TUNED_DIR", str(tmp_path))
+    tuned.load_table.cache_clear()
+    M, N, BT = 1024, 4096, 512
+    entries = tune.tune_entries([(M, N)], [BT], ["bf16"], rep=10)
+    name = torch.cuda.get_device_name()
+    tune.write_table(entries, tuned.user_table_path(name))
+    assert len(entries) == 1 and entries[0]["ms"] > 0
+    rule = RULES["AdamW"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
+    views = [StateView(sp, (torch.randn(M, N, device="cuda", generator=g) * 1e-3).abs().bfloat16())
+             for sp in rule.state_specs(dict(rule.defaults))]
+    job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(dict(rule.defaults), {}, 3)),
+                    states=views, stochastic_weight=True, stochastic_state=True,
+                    key_weight=precision.stream_key(0, 0, 3, 0),
+                    key_states=(precision.stream_key(0, 0, 3, 1), precision.stream_key(0, 0, 3, 2), 0),
+                    nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
+    be = TritonBackend()
+    be.update(job, dy, x)
+    key = tuning_key(job, dy, launch_kwargs(job, dy, x))
+    assert be.tuner.cache[key] == KernelConfig(**entries[0]["config"])
+    assert "whole weight" in be.tuner.timings[key][0][2]
+    tuned.load_table.cache_clear()

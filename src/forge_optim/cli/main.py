@@ -1,7 +1,8 @@
 """Entry point of the ``forge-optim`` console script.
 
     forge-optim train [flags]   train a small Llama-style LM on CPU or GPU (see ``train --help``)
-    forge-optim bench           not implemented yet (issue 5)
+    forge-optim bench           step time and peak memory, FORGE against its peers (``bench --help``)
+    forge-optim tune            tune the fused kernel on a model's whole weights, on this GPU (``tune --help``)
 
 ``main(argv)`` returns the exit status; the console script passes it to ``sys.exit``.
 Heavy imports (torch, transformers) happen only inside the subcommand that needs them.
@@ -28,6 +29,11 @@ def _bench(ns: argparse.Namespace) -> int:  # reached only through build_parser(
     return bench_main(ns.bench_args)
 
 
+def _tune(ns: argparse.Namespace) -> int:
+    from .tune import run_parsed
+    return run_parsed(ns)
+
+
 def _train(ns: argparse.Namespace) -> int:
     from .train import run_parsed
     return run_parsed(ns)
@@ -38,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="forge-optim", description="FORGE: optimizer updates fused into "
                                 "the weight-gradient GEMM of nn.Linear layers.")
-    sub = p.add_subparsers(dest="command", metavar="{train,bench}")
+    sub = p.add_subparsers(dest="command", metavar="{train,bench,tune}")
     sub.required = True
     t = sub.add_parser("train", formatter_class=_HelpFormatter, help="train a small Llama-style causal LM (synthetic data, no download)",
                        description="Train a small Llama-style causal LM with a forge_optim optimizer "
@@ -50,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "(forge-optim bench --help)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
     b.set_defaults(func=_bench)
+    from .tune import add_arguments as tune_arguments
+
+    u = sub.add_parser("tune", formatter_class=_HelpFormatter, help="time the fused kernel's configs on a "
+                       "model's whole weights on this GPU and write the table later runs read",
+                       description="Time every candidate config of the fused kernel on a model's whole "
+                       "weights on this GPU; later runs on this GPU take the winners (kernels/tuned.py).")
+    tune_arguments(u)
+    u.set_defaults(func=_tune)
     return p
 
 

@@ -8,6 +8,8 @@ all 128256 (benchmarks/tuner_fidelity.py, results/tuner-fidelity-2026-12-03.json
 ``benchmarks/tune_shapes.py`` times every candidate on the whole weight for the common shapes and
 writes ``tuned/<device>.json``; the tuner takes an entry from it when the device name and the tuning
 key match exactly, and times sub-problems as before for everything else.
+A user's own tables (``forge-optim tune``: their GPU, their model's shapes) live in ``user_table_dir()``
+(``$FORGE_TUNED_DIR``, else ``~/.cache/forge_optim/tuned``) and take precedence over the shipped ones.
 ``FORGE_TUNED_TABLE=0`` turns the tables off (A/B runs, or after a kernel change that left a table stale).
 """
 from __future__ import annotations
@@ -22,9 +24,26 @@ from pathlib import Path
 TABLE_DIR = Path(__file__).resolve().parent / "tuned"
 
 
+def table_name(device_name: str) -> str:
+    """``NVIDIA H200`` -> nvidia_h200.json"""
+    return re.sub(r"[^0-9a-z]+", "_", device_name.lower()).strip("_") + ".json"
+
+
 def table_path(device_name: str) -> Path:
-    """``NVIDIA H200`` -> tuned/nvidia_h200.json"""
-    return TABLE_DIR / (re.sub(r"[^0-9a-z]+", "_", device_name.lower()).strip("_") + ".json")
+    """The shipped table of ``device_name`` (kernels/tuned/<name>.json)."""
+    return TABLE_DIR / table_name(device_name)
+
+
+def user_table_dir() -> Path:
+    if os.environ.get("FORGE_TUNED_DIR"):
+        return Path(os.environ["FORGE_TUNED_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "forge_optim" / "tuned"
+
+
+def user_table_path(device_name: str) -> Path:
+    """Where ``forge-optim tune`` writes ``device_name``'s table; read before the shipped one."""
+    return user_table_dir() / table_name(device_name)
 
 
 def key_text(key: tuple) -> str:
@@ -34,8 +53,15 @@ def key_text(key: tuple) -> str:
 
 @lru_cache(maxsize=None)
 def load_table(device_name: str) -> dict:
-    """{key text: config dict} for ``device_name``; empty when there is no table or it is unreadable."""
-    path = table_path(device_name)
+    """{key text: config dict} for ``device_name``: the shipped table, then the user's (which wins on
+    a key both hold); empty when there is none. An unreadable table is ignored with a warning."""
+    out = {}
+    for path in (table_path(device_name), user_table_path(device_name)):
+        out.update(_read(path, device_name))
+    return out
+
+
+def _read(path: Path, device_name: str) -> dict:
     if not path.exists():
         return {}
     try:
@@ -45,7 +71,7 @@ def load_table(device_name: str) -> dict:
         return {e["key"]: dict(e["config"]) for e in data["entries"]}
     except (OSError, ValueError, KeyError, TypeError) as err:
         warnings.warn(f"forge_optim: ignoring the tuned-config table {path} ({err}); "
-                      "configs are tuned at run time instead", stacklevel=2)
+                      "configs are tuned at run time instead", stacklevel=3)
         return {}
 
 
