@@ -144,37 +144,39 @@ def test_shipped_table_keys_are_the_keys_the_optimizer_makes(path, monkeypatch):
         assert KernelConfig(**e["config"]) in ALL_CANDIDATES
 
 
+def _gpu_adam_job(M, N, seed=3, step=5):
+    """A bf16-state AdamW update of a random [M, N] bf16 weight on the GPU (the optimizer's defaults)."""
+    from forge_optim import precision
+    from forge_optim.backends.base import StateView, UpdateJob
+    from forge_optim.rules import RULES
+
+    rule = RULES["AdamW"]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
+    views = [StateView(sp, (torch.randn(M, N, device="cuda", generator=g) * 1e-3).abs().bfloat16())
+             for sp in rule.state_specs(dict(rule.defaults))]
+    return UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(dict(rule.defaults), {}, step)),
+                     states=views, stochastic_weight=True, stochastic_state=True,
+                     key_weight=precision.stream_key(1, 2, step, 0),
+                     key_states=(precision.stream_key(1, 2, step, 1), precision.stream_key(1, 2, step, 2), 0),
+                     nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+
+
 @pytest.mark.gpu
 def test_gpu_backend_takes_the_shipped_config_on_a_tabled_shape():
     """On a device with a shipped table, the first update of a tabled shape runs the table's config
     (no sub-problem timing), and writes what the same config writes when forced."""
-    from forge_optim import precision
-    from forge_optim.backends.base import StateView, UpdateJob
     from forge_optim.backends.triton_backend import TritonBackend
-    from forge_optim.rules import RULES
 
     name = torch.cuda.get_device_name()
     table = tuned.load_table(name)
     if not table:
         pytest.skip(f"no shipped table for {name}")
     M, N, BT = 4096, 4096, 512
-    rule = RULES["AdamW"]
     gen = torch.Generator(device="cuda").manual_seed(3)
-
-    def job():
-        g = torch.Generator(device="cuda").manual_seed(3)
-        w = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
-        views = [StateView(sp, (torch.randn(M, N, device="cuda", generator=g) * 1e-3).abs().bfloat16())
-                 for sp in rule.state_specs(dict(rule.defaults))]
-        return UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(dict(rule.defaults), {}, 5)),
-                         states=views, stochastic_weight=True, stochastic_state=True,
-                         key_weight=precision.stream_key(1, 2, 5, 0),
-                         key_states=(precision.stream_key(1, 2, 5, 1), precision.stream_key(1, 2, 5, 2), 0),
-                         nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
-
     dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
     x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
-    a, b = job(), job()
+    a, b = _gpu_adam_job(M, N), _gpu_adam_job(M, N)
     key = tuning_key(a, dy, launch_kwargs(a, dy, x))
     if tuned.key_text(key) not in table:
         pytest.skip(f"{name}'s table has no entry for {key}")
@@ -254,11 +256,8 @@ def test_tune_cli_refuses_bad_input_and_a_machine_without_a_gpu(monkeypatch, cap
 def test_gpu_tune_writes_a_table_that_the_next_update_takes(tmp_path, monkeypatch):
     """forge-optim tune on one small shape: the winner lands in the user table, and a fresh backend's
     first update of that shape runs it without timing sub-problems."""
-    from forge_optim import precision
-    from forge_optim.backends.base import StateView, UpdateJob
     from forge_optim.backends.triton_backend import TritonBackend
     from forge_optim.kernels import tune
-    from forge_optim.rules import RULES
 
     monkeypatch.setenv("FORGE_TUNED_DIR", str(tmp_path))
     tuned.load_table.cache_clear()
@@ -267,16 +266,8 @@ def test_gpu_tune_writes_a_table_that_the_next_update_takes(tmp_path, monkeypatc
     name = torch.cuda.get_device_name()
     tune.write_table(entries, tuned.user_table_path(name))
     assert len(entries) == 1 and entries[0]["ms"] > 0
-    rule = RULES["AdamW"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
-    views = [StateView(sp, (torch.randn(M, N, device="cuda", generator=g) * 1e-3).abs().bfloat16())
-             for sp in rule.state_specs(dict(rule.defaults))]
-    job = UpdateJob(weight=w, rule=rule, coeffs=rule.padded(rule.coefficients(dict(rule.defaults), {}, 3)),
-                    states=views, stochastic_weight=True, stochastic_state=True,
-                    key_weight=precision.stream_key(0, 0, 3, 0),
-                    key_states=(precision.stream_key(0, 0, 3, 1), precision.stream_key(0, 0, 3, 2), 0),
-                    nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+    job = _gpu_adam_job(M, N, seed=0)
+    g = torch.Generator(device="cuda").manual_seed(1)
     dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
     x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
     be = TritonBackend()

@@ -35,6 +35,8 @@ def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
 
 
 def _states(mode: str, M: int, N: int, gen, rule):
+    """Random AdamW states, the same draws as benchmarks/bench_kernel.make_states (which keeps its own
+    copy: it also runs against older source trees in old/new A/B runs)."""
     from .. import precision
     from ..backends.base import StateView
 
