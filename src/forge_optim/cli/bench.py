@@ -161,7 +161,9 @@ def check_loss(loss: str, device: str) -> None:
     if not found:
         raise SystemExit("forge-optim bench: --loss liger needs Liger-Kernel: pip install liger-kernel "
                          "(or forge-optim[peers]); or use --loss hf")
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    from .._triton import interpreting
+
+    if device != "cuda" and not interpreting():
         raise SystemExit("forge-optim bench: --loss liger runs Triton kernels and needs --device cuda "
                          "(or TRITON_INTERPRET=1 on the CPU); or use --loss hf")
 
@@ -190,6 +192,8 @@ def kernel_configs(opt) -> dict:
     """Which fused-kernel config ran for each tuning key of ``opt``'s Triton backends, and where it came
     from: ``table`` (tuned on the whole weight, kernels/tuned/), ``sub-problem`` (timed at run time on
     clones of <= 4096 rows), ``only candidate``. Empty where the torch backend ran (CPU)."""
+    from ..kernels.launch import TABLE_NOTE
+
     out = {}
     for be in getattr(opt, "_backends", {}).values():
         tuner = getattr(be, "tuner", None)
@@ -197,7 +201,7 @@ def kernel_configs(opt) -> dict:
             continue
         for key, cfg in tuner.cache.items():
             notes = tuner.timings.get(key, [])
-            if any("whole weight" in str(n[2]) for n in notes):
+            if any(TABLE_NOTE in str(n[2]) for n in notes):
                 source = "table"
             elif any(isinstance(n[1], float) for n in notes):
                 source = "sub-problem"

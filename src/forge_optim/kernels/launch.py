@@ -348,6 +348,10 @@ def _noop_update():
     return SGD.triton_update
 
 
+# The timings note of a config taken from a tuned table (kernels/tuned.py); bench's kernel_configs reads it.
+TABLE_NOTE = "tuned on the whole weight"
+
+
 class Tuner:
     """Chooses a config per problem key by timing candidates on clones; never touches live tensors."""
 
@@ -415,7 +419,7 @@ class Tuner:
             self.timings[key] = [(cfg.short(), float("inf"), f"shipped config failed: {err!r}"[:200])]
             return None
         self.cache[key] = cfg
-        self.timings[key] = [(cfg.short(), None, f"tuned on the whole weight: {tuned.table_path(name).name}")]
+        self.timings[key] = [(cfg.short(), None, f"{TABLE_NOTE}: {tuned.table_name(name)}")]
         return cfg
 
 
