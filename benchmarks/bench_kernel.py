@@ -110,7 +110,8 @@ def unfused_step(W, m, v, nxt):
 
 
 def state_bytes(mode, M, N, BT):
-    per = 12.0 if mode == "bf16" else 4 + 2 + 2 + 2 * 2 * 4 / 64  # W r+w, m, v (r+w), scales
+    scale_bytes = getattr(precision, "SCALE_DTYPE", torch.float32).itemsize  # fp32 before the bf16 scales
+    per = 12.0 if mode == "bf16" else 4 + 2 + 2 + 2 * 2 * scale_bytes / 64  # W r+w, m, v (r+w), scales
     return per * M * N + 2 * BT * (M + N)
 
 

@@ -7,7 +7,7 @@ epilogues that differ in bytes per weight element and in ALU work:
   adamw-bf16-sr   AdamW, bf16 W/m/v, stochastic rounding (3 hashes)   12 B/elem   (the default)
   adamw-bf16-rn   the same, round-to-nearest (no hash)                12 B/elem
   adamw-fp32      AdamW, bf16 W (SR), fp32 m/v                        20 B/elem
-  adamw-int8      AdamW, bf16 W (SR), int8 m/v + per-64 scales        8.25 B/elem
+  adamw-int8      AdamW, bf16 W (SR), int8 m/v + per-64 bf16 scales   8.125 B/elem
   sgd-bf16-sr     SGD without momentum: W only (1 hash)               4 B/elem
   accumulate      fp32 buffer += G (no rule, no hash)                 8 B/elem
 and torch's wgrad GEMM alone. If time follows bytes, the kernel is bandwidth-bound; if RN is much
@@ -37,7 +37,7 @@ from forge_optim.rules import RULES  # noqa: E402
 
 from bench_kernel import fixed_job, make_states  # noqa: E402  (this script's folder is on sys.path)
 
-BYTES = {"adamw-bf16-sr": 12, "adamw-bf16-rn": 12, "adamw-fp32": 20, "adamw-int8": 8.25,
+BYTES = {"adamw-bf16-sr": 12, "adamw-bf16-rn": 12, "adamw-fp32": 20, "adamw-int8": 8.125,
          "sgd-bf16-sr": 4, "accumulate": 8}
 
 

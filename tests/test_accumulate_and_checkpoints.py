@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import forge_optim
+from forge_optim.optim import _as_2d
 from helpers import batches, loss_fn, rel_diff, twin
 
 TOL = 1e-5
@@ -73,6 +74,36 @@ def test_int8_state_dict_exports_dequantized_and_keeps_quantized():
     assert st["exp_avg"].dtype == torch.float32 and st["exp_avg_q"].dtype == torch.int8
     assert st["exp_avg_sq_q"].dtype == torch.uint8 and "exp_avg_sq_scale" in st
     assert st["exp_avg"].shape == next(model.parameters()).shape
+
+
+def test_int8_checkpoint_with_fp32_scales_is_quantized_afresh():
+    """A checkpoint written before scales became bf16 (fp32 ``_scale``, ``_q`` codes against it) loads:
+    its exported fp32 values are quantized again with bf16 scales (codes against the old scales would
+    be wrong by up to 2**-7 of a scale), so every state reads back within half a new step."""
+    model, _ = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="int8")
+    _train(model, opt, batches(2))
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():  # rewrite as the old format: fp32 scales, codes against them
+        for key in ("exp_avg", "exp_avg_sq"):
+            x = _as_2d(st[key])
+            nonneg = key == "exp_avg_sq"
+            xb, _ = forge_optim.precision._blocked(x)
+            qmax = 255.0 if nonneg else 127.0
+            scale32 = xb.abs().amax(-1) / qmax
+            st[key + "_scale"] = scale32
+            st[key] = forge_optim.precision.dequantize(_as_2d(st[key + "_q"]), scale32).reshape(st[key].shape)
+    opt2 = forge_optim.AdamW(copy.deepcopy(model), lr=1e-2, state_dtype="int8")
+    opt2.load_state_dict(sd)
+    for idx, st in opt2.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert st[key + "_scale"].dtype == torch.bfloat16
+            live = opt2.state[opt2.param_groups[0]["params"][idx]][key + "_scale"]
+            assert live.dtype == torch.bfloat16
+            saved = _as_2d(sd["state"][idx][key])
+            step = st[key + "_scale"].float().repeat_interleave(64, dim=-1)[:, :saved.shape[-1]]
+            err = (_as_2d(st[key]) - saved).abs()
+            assert (err <= step * (1.0 if key == "exp_avg_sq" else 0.5) * (1 + 1e-6) + 1e-30).all()
 
 
 def test_checkpoint_moves_from_forge_to_torch_and_back():

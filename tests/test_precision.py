@@ -107,6 +107,32 @@ def test_int8_quantization_error_is_half_a_step(nonnegative):
     assert q.dtype == (torch.uint8 if nonnegative else torch.int8)
 
 
+@pytest.mark.parametrize("nonnegative", [False, True])
+def test_int8_scales_are_the_smallest_bf16_at_or_above_absmax_over_qmax(nonnegative):
+    """Scales are stored in bf16, rounded up (precision.SCALE_DTYPE): checked against an fp64 reference
+    that takes the bf16 grid from frexp, on values across the exponent range (fp32's: bf16 shares it)."""
+    torch.manual_seed(1)
+    x = torch.randn(64, 256) * torch.logspace(-30, 30, 64).unsqueeze(1)
+    x = x.abs() if nonnegative else x
+    x[3, 64:128] = 0.0  # an all-zero block: scale 0, codes 0
+    qmax = 255.0 if nonnegative else 127.0
+    x[5, :64] = 2.0 ** -20 * qmax  # absmax/qmax = 2**-20, on the bf16 grid
+    q, scale = precision.quantize(x, nonnegative)
+    assert scale.dtype == torch.bfloat16 and scale.shape == (64, 4)
+    target = (x.view(64, 4, 64).abs().amax(-1) / qmax).double()  # fp32 absmax/qmax, as the kernel forms it
+    mant, exp = torch.frexp(target)  # target = mant * 2**exp, mant in [0.5, 1)
+    ulp = torch.ldexp(torch.ones_like(target), exp - 8)  # bf16: 8 significant bits
+    expected = torch.where(target > 0, torch.ceil(target / ulp) * ulp, torch.zeros_like(target))
+    assert torch.equal(scale.double(), expected)
+    assert float(scale[5, 0]) == float(target[5, 0])  # already on the grid: not rounded further up
+    assert (q[3, 64:128] == 0).all() and float(scale[3, 1]) == 0.0
+    # codes stay inside [-qmax, qmax] and read back within half a step of the stored scale
+    assert int(q.to(torch.int16).abs().max()) <= qmax
+    step = scale.float().repeat_interleave(64, dim=1)
+    err = (precision.dequantize(q, scale) - x).abs()
+    assert (err <= (step if nonnegative else step / 2) * (1 + 1e-6)).all()
+
+
 def _adamw_state_trajectory(mode: str, grads, beta1=0.9, beta2=0.99):
     """Run the AdamW rule on a fixed gradient stream; return [(m, v)] per step, dequantized."""
     shape = grads[0].shape
@@ -138,7 +164,8 @@ def test_int8_and_bf16_states_stay_within_their_bounds():
     bf16 = _adamw_state_trajectory("bf16", grads, beta1, beta2)
     max_m = max(m.abs().max().item() for m, _ in exact)
     max_v = max(v.abs().max().item() for _, v in exact)
-    # int8: each store errs by <= s/2 (m, s = absmax/127) or <= s (v, floored, s = absmax/255); errors decay
+    # int8: each store errs by <= s/2 (m, s = absmax/127 rounded up to bf16: < 2**-7 more) or <= s (v,
+    # floored, s = absmax/255 rounded up); errors decay
     # geometrically: |m~ - m| <= s_max / (2 (1 - beta1)), |v~ - v| <= s_max / (1 - beta2) (Appendix B).
     bound_m = (1.05 * max_m / 127) / (2 * (1 - beta1))
     bound_v = (1.05 * max_v / 255) / (1 - beta2)

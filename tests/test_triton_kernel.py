@@ -114,7 +114,12 @@ def assert_state_close(va: StateView, vb: StateView, mode: str, what: str):
     if va.quantized:
         da = precision.dequantize(va.data, va.scale)
         db = precision.dequantize(vb.data, vb.scale)
-        torch.testing.assert_close(va.scale, vb.scale, rtol=1e-5, atol=1e-30, msg=f"{what} scale")
+        # bf16 scales rounded up from absmax/qmax: an absmax that differs by fp32 round-off (the GEMM's
+        # reduction order) can land on either side of a bf16 value, so scales agree to one bf16 step
+        assert va.scale.dtype == vb.scale.dtype == precision.SCALE_DTYPE, f"{what} scale dtype"
+        assert int(_bf16_steps(va.scale, vb.scale).max()) <= 1, f"{what}: scales beyond one bf16 step"
+        same_scale = (va.scale == vb.scale).float().mean().item()
+        assert same_scale > 0.98, f"{what}: only {same_scale:.3f} of int8 scales equal"
         step = torch.maximum(va.scale, vb.scale).repeat_interleave(64, dim=1)[:, : da.shape[1]]
         assert bool(((da - db).abs() <= step * 1.0001 + 1e-30).all()), f"{what}: int8 beyond one step"
         codes_equal = (va.data == vb.data).float().mean().item()
@@ -983,10 +988,10 @@ def test_gpu_int8_and_bf16_vs_torch_backend(shape, BT):
         assert_weight_close(job.weight, ref.weight, f"{mode} {shape} {BT}", exact_frac=0.99)
         for va, vb in zip(job.states, ref.states):
             if va.quantized:
-                # within one quantization step: codes differ by at most one, scales agree to the
-                # rule's fp32 round-off. (The Triton rules form 1 - beta2 in fp32 from an fp32
-                # beta2, the torch form in fp64: for beta2 = 0.999 that is 1.3e-5 relative in the
-                # g^2 term of v, hence rtol 1e-4 on the scales rather than 1e-6.)
+                # within one quantization step: codes differ by at most one, scales by at most one bf16
+                # step (rounded up from absmax/qmax, whose fp32 round-off differs: the GEMM's reduction
+                # order, and the Triton rules form 1 - beta2 in fp32 from an fp32 beta2, the torch form
+                # in fp64, 1.3e-5 relative in the g^2 term of v for beta2 = 0.999).
                 dq = (va.data.to(torch.int16) - vb.data.to(torch.int16)).abs()
                 nbad = int((dq > 1).sum())
                 if nbad:
@@ -994,7 +999,8 @@ def test_gpu_int8_and_bf16_vs_torch_backend(shape, BT):
                     info = [(i, j, int(va.data[i, j]), int(vb.data[i, j]), va.scale[i, j // 64].item(),
                              vb.scale[i, j // 64].item()) for i, j in idx]
                     raise AssertionError(f"{mode} {va.spec.name}: {nbad} codes off by more than one, e.g. {info}")
-                torch.testing.assert_close(va.scale, vb.scale, rtol=1e-4, atol=1e-12)
+                assert int(_bf16_steps(va.scale, vb.scale).max()) <= 1
+                assert (va.scale == vb.scale).float().mean().item() > 0.98
             else:
                 d = bf16_ulp_diff(va.data, vb.data)
                 assert int(d.max()) <= 1

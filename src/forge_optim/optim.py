@@ -381,7 +381,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             else:
                 q, scale = precision.quantize(_as_2d(value.float()), spec.nonnegative)
             state[spec.name] = dtensor.like(p, q.reshape(lp.shape).to(lp.device).contiguous())
-            state[spec.name + "_scale"] = dtensor.like(p, scale.to(device=lp.device, dtype=torch.float32).contiguous())
+            if scale.dtype != precision.SCALE_DTYPE:  # a cast would round the scale, and every code with it
+                raise ValueError(f"int8 state {spec.name!r}: scales must be {precision.SCALE_DTYPE}, got {scale.dtype}")
+            state[spec.name + "_scale"] = dtensor.like(p, scale.to(device=lp.device).contiguous())
         elif mode == "bf16":
             state[spec.name] = dtensor.like(p, value.to(torch.bfloat16).reshape(lp.shape).contiguous())
         else:
@@ -631,8 +633,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 continue
             q, scale = saved.get(spec.name + "_q"), saved.get(spec.name + "_scale")
             quantized = None
-            if mode == "int8" and q is not None and scale is not None and q.shape == p.shape:
+            if (mode == "int8" and q is not None and scale is not None and q.shape == p.shape
+                    and scale.dtype == precision.SCALE_DTYPE):
                 quantized = (q.clone(), scale.clone())
+            # otherwise (a torch.optim checkpoint, another state mode, or fp32 scales from before
+            # forge_optim 0.1's bf16 scales) the exported fp32 value is quantized afresh
             # clone: a state_dict holds references to the live tensors of the optimizer that made it
             self._set_state(p, state, spec, value.detach().float().clone(), mode, quantized)
         if "step" not in state:

@@ -20,7 +20,8 @@ class StateView:
     """One element-wise state of a weight, in its storage format.
 
     ``data`` has the weight's 2-D shape: fp32 or bf16 values, or int8/uint8 codes. For int8 mode
-    ``scale`` holds one fp32 absmax scale per 64 contiguous elements of a row: [rows, ceil(cols/64)].
+    ``scale`` holds one absmax scale per 64 contiguous elements of a row: [rows, ceil(cols/64)], bf16
+    (``precision.SCALE_DTYPE``, rounded up from absmax/qmax).
     """
 
     spec: StateSpec

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import precision
 from .._triton import interpreting
 from ..kernels import fused
 from ..kernels import launch as _launch
@@ -69,7 +70,7 @@ class TritonBackend(Backend):
                 return False
             slots.add(view.spec.slot)
             if view.quantized:
-                if d.dtype not in (torch.int8, torch.uint8) or view.scale.dtype != torch.float32:
+                if d.dtype not in (torch.int8, torch.uint8) or view.scale.dtype != precision.SCALE_DTYPE:
                     return False
                 if view.scale.shape != (M, (N + 63) // 64) or not view.scale.is_contiguous():
                     return False

@@ -6,7 +6,7 @@ tile it accumulates ``G = dY[:, rows]^T X[:, cols]`` in fp32 registers over the 
 
 - MODE_UPDATE: adds the fp32 gradient buffer if one is given (final micro-step of gradient
   accumulation), multiplies by ``grad_sign`` (maximize), loads W and the rule's states (fp32, bf16,
-  or int8/uint8 codes with one fp32 scale per 64 columns), applies the rule's ``triton_update``
+  or int8/uint8 codes with one bf16 scale per 64 columns), applies the rule's ``triton_update``
   (a constexpr JIT function), keeps old values where G is not finite (counting those coordinates
   into ``nonfinite``), and stores W and states back (bf16 by stochastic rounding or RNE, int8 by
   per-64-block absmax quantization). The gradient never exists in memory.
@@ -139,7 +139,7 @@ def _raw_value(q, sc, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         return q.to(tl.float32)
     else:
         NB: tl.constexpr = BN // 64
-        v = tl.reshape(q.to(tl.float32), (BM, NB, 64)) * sc[:, :, None]
+        v = tl.reshape(q.to(tl.float32), (BM, NB, 64)) * sc.to(tl.float32)[:, :, None]
         return tl.reshape(v, (BM, BN))
 
 
@@ -159,8 +159,11 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
             qmax = 255.0
         else:
             qmax = 127.0
+        # precision._block_scale: absmax/qmax rounded up to bf16 (kept in fp32 here), and the codes
+        # against that stored scale
         scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
-        inv = tl.where(absmax > 0, tl.div_rn(tl.full(absmax.shape, qmax, tl.float32), absmax), 0.0)
+        scale = ((scale.to(tl.uint32, bitcast=True) + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
         qi = _round_to_int(x * inv[:, :, None], INTERPRET)
         if KIND == 4:
             qi = tl.where(x > 0, tl.minimum(tl.maximum(qi, 1), 255), 0)
@@ -171,7 +174,8 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
         tl.store(s_ptr + lin, qs, mask=mask)
         if INTERPRET:
             smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
-            tl.store(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], scale, mask=smask)
+            tl.store(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], scale.to(tl.bfloat16),
+                     mask=smask)
         else:
             _store_scales(sc_ptr, scale, mask, offs_m, tl.min(sb_idx, axis=0), NSB, BM, BN)
 
@@ -185,7 +189,7 @@ def _store_scales(sc_ptr, scale, mask, offs_m, blk0, NSB, BM: tl.constexpr, BN: 
     element's row and scale column are reduced exactly like the absmax (reshape to [BM, NB, 64], max
     over the block), so address, mask and value share the reduction's layout, and the store is an
     inline ``st.global`` that no pass re-anchors. Lanes holding the same scale store the same value
-    to the same address."""
+    to the same address. ``scale`` is exact in bf16: its high half is the stored bf16."""
     NB: tl.constexpr = BN // 64
     zero = tl.zeros((BM, BN), dtype=tl.int32)
     row = tl.max(tl.reshape(offs_m[:, None] + zero, (BM, NB, 64)), axis=2)
@@ -194,7 +198,8 @@ def _store_scales(sc_ptr, scale, mask, offs_m, blk0, NSB, BM: tl.constexpr, BN: 
     # all operands as integers (inline asm broadcasts its operands to one another)
     addr = (sc_ptr + (row.to(tl.int64) * NSB + blk)).to(tl.int64)
     tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.global.b32 [$1], $2; }\n\tmov.u32 $0, 0;",
+        "{ .reg .pred p; .reg .b16 lo, hi; setp.ne.s32 p, $3, 0; mov.b32 {lo, hi}, $2; "
+        "@p st.global.b16 [$1], hi; }\n\tmov.u32 $0, 0;",
         "=r,l,r,r", [addr, scale.to(tl.int32, bitcast=True), valid], dtype=tl.int32, is_pure=False, pack=1)
 
 

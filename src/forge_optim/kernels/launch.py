@@ -443,6 +443,7 @@ def _parse_cfg(text: str) -> dict:
 def _precompile_one(spec: dict) -> str:
     import time
 
+    from .. import precision
     from ..backends.base import StateView
     from ..rules import RULES
     from ..rules.base import StateSpec
@@ -468,7 +469,7 @@ def _precompile_one(spec: dict) -> str:
             if kind in (fused.S_INT8, fused.S_UINT8):
                 dt = torch.uint8 if kind == fused.S_UINT8 else torch.int8
                 views.append(StateView(sp, torch.ones(M, N, device=dev, dtype=dt),
-                                       torch.ones(M, (N + 63) // 64, device=dev)))
+                                       torch.ones(M, (N + 63) // 64, device=dev, dtype=precision.SCALE_DTYPE)))
             else:
                 dt = torch.bfloat16 if kind == fused.S_BF16 else torch.float32
                 views.append(StateView(sp, torch.ones(M, N, device=dev, dtype=dt)))

@@ -16,12 +16,14 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
     Needs a Triton whose ``triton.jit`` is not the interpreter's (TRITON_INTERPRET unset)."""
     fn = fused.forge_fused_kernel
     names = fn.arg_names
-    ptr = {"dy_ptr": f"*{in_dtype}", "x_ptr": f"*{in_dtype}", "w_ptr": "*bf16" if w_bf16 else "*fp32",
-           "buf_ptr": "*fp32", "nf_ptr": "*i64", "sc0_ptr": "*fp32", "sc1_ptr": "*fp32", "sc2_ptr": "*fp32"}
-    sdt = {fused.S_BF16: "*bf16", fused.S_FP32: "*fp32", fused.S_INT8: "*i8", fused.S_UINT8: "*u8", 0: "*fp32"}
-    ptr["s0_ptr"] = sdt[s_kind]
-    ptr["s1_ptr"] = sdt[s1_kind]
-    ptr["s2_ptr"] = "*fp32"
+    w_ptr = "*bf16" if w_bf16 else "*fp32"
+    # as launch.launch passes them: int8 states' scales are bf16 (precision.SCALE_DTYPE); an unused
+    # pointer is the weight
+    ptr = {"dy_ptr": f"*{in_dtype}", "x_ptr": f"*{in_dtype}", "w_ptr": w_ptr, "buf_ptr": "*fp32", "nf_ptr": "*i64"}
+    sdt = {fused.S_BF16: "*bf16", fused.S_FP32: "*fp32", fused.S_INT8: "*i8", fused.S_UINT8: "*u8", 0: w_ptr}
+    for slot, kind in enumerate((s_kind, s1_kind, 0)):
+        ptr[f"s{slot}_ptr"] = sdt[kind]
+        ptr[f"sc{slot}_ptr"] = "*bf16" if kind in (fused.S_INT8, fused.S_UINT8) else w_ptr
     consts = dict(UPDATE=RULES[rule].triton_update, MODE=0, HAS_BUF=False, HAS_NF=True, W_BF16=w_bf16, W_SR=True,
                   S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
                   BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
