@@ -12,6 +12,7 @@ same SASS between the mainloop's back-edge and the tile loop's, without the cold
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as dt
 import json
 import re
@@ -26,18 +27,31 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="", help="'|'-separated KernelConfig.short() names of "
+                    "launch.ALL_TUNED_CONFIGS instead of the eighth session's four")
+    ap.add_argument("--states", default="bf16,int8")
     a = ap.parse_args()
     rows = []
-    for name, cfg in [("S10", launch.SMALL_BT_CONFIGS[10]), ("S7", launch.SMALL_BT_CONFIGS[7]),
-                      ("L0", launch.LARGE_BT_CONFIGS[0]), ("L4", launch.LARGE_BT_CONFIGS[4])]:
-        for kind in ("bf16", "int8"):
+    if a.configs:
+        known = {c.short(): c for c in launch.ALL_TUNED_CONFIGS}
+        plan = [(s, known[s]) for s in a.configs.split("|")]
+    else:
+        plan = [("S10", launch.SMALL_BT_CONFIGS[10]), ("S7", launch.SMALL_BT_CONFIGS[7]),
+                ("L0", launch.LARGE_BT_CONFIGS[0]), ("L4", launch.LARGE_BT_CONFIGS[4])]
+    for name, cfg in plan:
+        for kind in a.states.split(","):
             s0, s1 = fused.ADAM_STATE_KINDS[kind][:2]
             u = ptxas.ptxas_usage(offline.compile_fused(cfg, s0, s1).asm["ptx"], sass=True)
-            n = sum(1 for line in u["sass"].splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", line))
+            ops = collections.Counter()
+            for line in u["sass"].splitlines():
+                m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+                if m:
+                    ops[m.group(1)] += 1
+            n = sum(ops.values())
             per_thread = cfg.BM * cfg.BN / (cfg.num_warps * 32)
             rows.append(dict(config=name, short=cfg.short(), states=kind, registers=u["registers"],
                              spill_bytes=u["spill_bytes"], static_instructions=n,
-                             per_element=round(n / per_thread, 1)))
+                             per_element=round(n / per_thread, 1), opcodes=dict(sorted(ops.items()))))
             print(f"[{a.label}] {name} {kind}: {rows[-1]['per_element']} per element, "
                   f"{u['registers']} registers, {u['spill_bytes']} bytes spill", flush=True)
     out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device="offline sm_90a",

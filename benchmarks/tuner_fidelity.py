@@ -50,9 +50,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="4096,16384", help="sub-problem row counts (the whole weight is always timed)")
     ap.add_argument("--quick", action="store_true", help="the lm_head at BT=8192 only")
+    ap.add_argument("--cases", default="", help="DOUTxDIN:BT:MODE,... instead of the Llama-3.1-8B cases, "
+                    "e.g. 151936x4096:8192:bf16 (Qwen3-8B's lm_head, outside the shipped table)")
     a = ap.parse_args()
     row_counts = [int(r) for r in a.rows.split(",")]
     cases = QUICK if a.quick else CASES
+    if a.cases:
+        cases = []
+        for c in a.cases.split(","):
+            shape, bt, mode = c.split(":")
+            m, n = shape.split("x")
+            cases.append((int(m), int(n), int(bt), mode))
     t0 = time.time()
     specs = [dict(config=c, kinds=fk.ADAM_STATE_KINDS[m])
              for m in ("bf16", "int8") for bt in sorted({c[2] for c in cases}) for c in candidate_configs(bt)]
