@@ -275,6 +275,39 @@ if INTERP:
         else:
             assert int(bf16_ulp_diff(job.weight, ref.weight).max()) <= 1
 
+    @pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
+    @pytest.mark.parametrize("case", ["AdamW", "Lion", "SGD-momentum"])
+    def test_split_schedule_writes_the_fused_bits(monkeypatch, case, mode):
+        """The split schedule (fp32 gradient chunks from a GEMM, then BT=0 launches) writes exactly the
+        fused kernel's bits on exact (dyadic) inputs: the same update, the same stochastic-rounding bits
+        (each chunk's keys shifted by its offset), the same non-finite count and guard. Three chunks of
+        32, 32 and 6 rows, so chunk edges cut through tiles and int8 scale rows."""
+        from dataclasses import replace
+
+        from forge_optim.kernels import launch as launch_mod
+
+        monkeypatch.setattr(launch_mod, "split_rows", lambda M, N, mb: 32)
+        chunks = []
+        wgrad = launch_mod._wgrad_fp32
+        monkeypatch.setattr(launch_mod, "_wgrad_fp32", lambda d, xx, out: (chunks.append(out.shape[0]),
+                                                                             wgrad(d, xx, out)))
+        dy, x = exact_inputs(BT0, M0, N0)
+        dy[5, 9] = float("nan")  # weight row 9: a non-finite gradient row, counted and not applied
+        a = make_job(case, mode, M0, N0)
+        b = copy.deepcopy(a)
+        w0 = a.weight.clone()
+        fused_cfg = launch_mod.INTERPRET_CONFIG
+        TritonBackend(config=fused_cfg).update(a, dy, x)
+        TritonBackend(config=replace(fused_cfg, split_mb=1)).update(b, dy, x)
+        assert torch.equal(a.weight, b.weight)
+        for va, vb in zip(a.states, b.states):
+            assert torch.equal(va.data, vb.data), va.spec.name
+            if va.quantized:
+                assert torch.equal(va.scale, vb.scale), va.spec.name
+        assert chunks == [32, 32, 6]
+        assert int(a.nonfinite) == int(b.nonfinite) == N0
+        assert torch.equal(b.weight[9], w0[9]) and not torch.equal(b.weight[10], w0[10])
+
     @pytest.mark.parametrize("key", [None, 0xFFFFFFF0, (1 << 31) + 5])
     def test_sr_bits_identical(key):
         """Same gradient, same fp32 value: the kernel draws exactly the torch backend's SR bits
@@ -673,6 +706,21 @@ def test_explore_configs_only_on_request(monkeypatch):
     assert all(c.BN % 64 == 0 for c in EXPLORE_SMALL_BT_CONFIGS)
 
 
+def test_split_rows_chunks_of_about_split_mb():
+    """Chunks of the split schedule: about split_mb MiB of fp32 gradient, a multiple of 64 rows, at
+    least 64, at most the weight; a negative size is refused by name."""
+    from forge_optim.kernels.launch import KernelConfig, split_rows
+
+    assert split_rows(14336, 4096, 32) == 2048  # 32 MiB / (4 B x 4096)
+    assert split_rows(4096, 14336, 32) == 576  # 585 rounded down to a multiple of 64
+    assert split_rows(100, 4096, 32) == 100
+    assert split_rows(4096, 1 << 20, 1) == 64
+    assert "split32" in KernelConfig(split_mb=32).short()
+    assert "split" not in KernelConfig().short()
+    with pytest.raises(ValueError, match="split_mb"):
+        KernelConfig(split_mb=-1)
+
+
 def test_elementwise_jobs_tune_once_per_power_of_two_rows():
     """An embedding's touched rows change in number every step: element-wise (BT=0) jobs share a tuning
     key per power of two of rows (no re-tuning every step); a fused layer's key keeps its exact shape."""
@@ -898,6 +946,40 @@ def test_gpu_lookahead_changes_no_bit(mode):
             if va.quantized:
                 assert torch.equal(va.scale, vb.scale), cfg.short()
         assert int(a.nonfinite) == int(b.nonfinite) == N, cfg.short()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
+def test_gpu_split_schedule_matches_fused(mode):
+    """The split schedule (cuBLAS fp32 gradient chunks + BT=0 launches) against the fused kernel on
+    random inputs at BT=8192: equal up to the two GEMMs' reduction orders (fp32 state to fp32
+    round-off; bf16 and int8 within one step, almost all bits equal: the same hash keys), the same
+    non-finite count, and no chunk left out (the chunk size does not divide the rows)."""
+    from dataclasses import replace
+
+    from forge_optim.backends.triton_backend import TritonBackend
+    from forge_optim.kernels.launch import LARGE_BT_CONFIGS, split_rows
+
+    M, N, BT = 3000, 4096, 8192
+    assert M % split_rows(M, N, 8) != 0
+    dy, x = _gpu_inputs(BT, M, N, seed=11)
+    dy[3, 7] = float("nan")
+    a = make_job("AdamW", mode, M, N, device="cuda", seed=12)
+    b = copy.deepcopy(a)
+    w0 = a.weight.clone()
+    TritonBackend(config=LARGE_BT_CONFIGS[1]).update(a, dy, x)
+    TritonBackend(config=replace(LARGE_BT_CONFIGS[1], split_mb=8)).update(b, dy, x)
+    torch.cuda.synchronize()
+    assert int(a.nonfinite) == int(b.nonfinite) == N
+    assert torch.equal(b.weight[7], w0[7])
+    if mode == "fp32":
+        torch.testing.assert_close(b.weight, a.weight, rtol=1e-5, atol=1e-6)
+        for va, vb in zip(a.states, b.states):
+            torch.testing.assert_close(vb.data, va.data, rtol=1e-4, atol=1e-9)
+    else:
+        assert_weight_close(b.weight, a.weight, f"split {mode}")
+        for va, vb in zip(a.states, b.states):
+            assert_state_close(vb, va, mode, f"split {mode} {va.spec.name}")
 
 
 @pytest.mark.gpu

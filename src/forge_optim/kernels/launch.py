@@ -42,6 +42,11 @@ class KernelConfig:
     # epilogue slices: 0 loads each slice after the previous one's stores; 1 issues the next slice's
     # loads before the current slice's stores; 2 issues every slice's loads first (fused._epilogue_tile)
     epi_lookahead: int = 0
+    # >0: the split schedule instead of the fused one (large BT, where the GEMM dominates): cuBLAS writes
+    # the fp32 weight gradient of a chunk of rows (about this many MiB, small enough to stay in L2) and a
+    # BT=0 launch of this config's tile applies the update from it; the gradient never exists beyond
+    # one chunk. Same random bits as the fused kernel (hash keys shifted by each chunk's offset).
+    split_mb: int = 0
 
     def __post_init__(self):
         if self.BN % 64 != 0:
@@ -50,6 +55,8 @@ class KernelConfig:
             raise ValueError(f"epi_split={self.epi_split} must be 1, 2, 4 or 8 and leave >= 8 rows per slice")
         if self.epi_lookahead not in (0, 1, 2):
             raise ValueError(f"epi_lookahead={self.epi_lookahead} must be 0, 1 or 2")
+        if self.split_mb < 0:
+            raise ValueError(f"split_mb={self.split_mb} must be >= 0 (0: the fused schedule)")
 
     def env(self) -> str:
         """This config as a ``FORGE_TRITON_CONFIG`` value (every launch then uses it, no tuning)."""
@@ -57,7 +64,8 @@ class KernelConfig:
 
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
-                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}{f' la{self.epi_lookahead}' if self.epi_lookahead else ''}")
+                f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}{f' la{self.epi_lookahead}' if self.epi_lookahead else ''}"
+                f"{f' split{self.split_mb}' if self.split_mb else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -215,6 +223,11 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
     interp = _INTERPRET
     M, N = weight.shape
     BT = dy.shape[0]
+    if config.split_mb and BT > 0 and mode == fused.MODE_UPDATE and grad_buffer is None:
+        return split_launch(weight=weight, dy=dy, x=x, rule_update=rule_update, coeffs=coeffs, states=states,
+                            grad_sign=grad_sign, nonfinite=nonfinite, stochastic_weight=stochastic_weight,
+                            stochastic_state=stochastic_state, key_weight=key_weight, key_states=key_states,
+                            config=config)
     nsb = (N + 63) // 64
     dummy = weight
     ptrs, scales, kinds = [], [], []
@@ -266,6 +279,39 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         return None
     # what ran, for a caller that re-launches it with new dY, X, coefficients and keys (LaunchPlan)
     return direct_launch(fused.forge_fused_kernel, nprogs, args, meta, options), nprogs, args, meta
+
+
+def split_rows(M: int, N: int, split_mb: int) -> int:
+    """Rows per chunk of the split schedule: about ``split_mb`` MiB of fp32 gradient, a multiple of 64."""
+    return max(64, min(M, ((split_mb << 20) // (4 * N)) // 64 * 64))
+
+
+def _wgrad_fp32(dy_cols: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = dY[:, rows]^T X, accumulated and written in fp32 (cuBLAS on CUDA)."""
+    if dy_cols.dtype == torch.float32 or not dy_cols.is_cuda:
+        torch.mm(dy_cols.t().float(), x.float(), out=out)
+    else:
+        torch.mm(dy_cols.t(), x, out_dtype=torch.float32, out=out)
+
+
+def split_launch(*, weight, dy, x, states, key_weight, key_states, config, **kw) -> None:
+    """The split schedule (``KernelConfig.split_mb``): per chunk of rows, the fp32 gradient from cuBLAS
+    into one scratch chunk, then a BT=0 launch that updates those rows from it. Returns None: there is
+    no single compiled launch to replay."""
+    M, N = weight.shape
+    rows = split_rows(M, N, config.split_mb)
+    tile = replace(config, split_mb=0)
+    scratch = torch.empty((rows, N), dtype=torch.float32, device=weight.device)
+    for r0 in range(0, M, rows):
+        r1 = min(M, r0 + rows)
+        g = scratch[: r1 - r0]
+        _wgrad_fp32(dy[:, r0:r1], x, g)
+        shift = r0 * N  # the hash reads (element offset + key) mod 2**32: the fused kernel's random bits
+        sub = tuple(None if v is None else type(v)(v.spec, v.data[r0:r1], None if v.scale is None else v.scale[r0:r1])
+                    for v in states)
+        launch(weight=weight[r0:r1], dy=dy[:0, r0:r1], x=x[:0], states=sub, grad_buffer=g,
+               key_weight=key_weight + shift, key_states=tuple(k + shift for k in key_states), config=tile, **kw)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
