@@ -101,6 +101,32 @@ def make_states(mode, M, N, gen, rule=RULES["AdamW"], group=None):
     return views
 
 
+def parse_cases(text: str) -> list[tuple[int, int, int, str]]:
+    """'DOUTxDIN:BT:MODE,...' (e.g. '151936x4096:8192:bf16') -> [(Dout, Din, BT, mode), ...]."""
+    cases = []
+    for c in text.split(","):
+        shape, bt, mode = c.split(":")
+        m, n = shape.split("x")
+        cases.append((int(m), int(n), int(bt), mode))
+    return cases
+
+
+def random_case(M, N, BT, mode, gen):
+    """One AdamW problem on random data as the tuner sees it: bf16 W, states of ``mode``, bf16 dY [BT, M]
+    and X [BT, N], stochastic rounding, step-1 keys, a non-finite counter; returns (job, dy, x)."""
+    rule = RULES["AdamW"]
+    coeffs = rule.padded(rule.coefficients(dict(rule.defaults, lr=1e-4, weight_decay=0.1), {}, 10))
+    W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+    views = make_states(mode, M, N, gen)
+    dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
+    job = UpdateJob(weight=W, rule=rule, coeffs=coeffs, states=views, stochastic_weight=True,
+                    stochastic_state=True, key_weight=precision.stream_key(0, 0, 1, 0),
+                    key_states=(precision.stream_key(0, 0, 1, 1), precision.stream_key(0, 0, 1, 2), 0),
+                    nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+    return job, dy, x
+
+
 def fixed_job(W, views, rule=RULES["AdamW"], group=None, sr=True, nonfinite=None):
     """An update of W and its states ``views`` at step 10 with fixed hash keys: what the kernel
     studies (epilogue_cost, epilogue_lookahead, ncu_fused) launch, so that their bits can be compared."""

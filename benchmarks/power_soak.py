@@ -35,14 +35,11 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernel import make_states  # noqa: E402
+from bench_kernel import parse_cases, random_case  # noqa: E402
 
-from forge_optim import precision  # noqa: E402
-from forge_optim.backends.base import UpdateJob  # noqa: E402
 from forge_optim.backends.triton_backend import TUNE_ROWS, launch_kwargs, tuning_launch  # noqa: E402
 from forge_optim.kernels import fused as fk  # noqa: E402
 from forge_optim.kernels.launch import candidate_configs, precompile  # noqa: E402
-from forge_optim.rules import RULES  # noqa: E402
 
 CASES = [(128256, 4096, 8192, "bf16"), (151936, 4096, 8192, "bf16"), (4096, 4096, 8192, "bf16"),
          (14336, 4096, 8192, "bf16"), (4096, 14336, 8192, "bf16"), (1024, 4096, 8192, "bf16")]
@@ -102,27 +99,19 @@ def summarize(times: list[float]) -> dict:
 def measure(name, fn_sub, fn_whole, args, phases):
     """burst / soak on the sub-problem, then burst / soak on the whole weight (if it differs)."""
     row = {}
-    fn_sub()
-    torch.cuda.synchronize()
-    time.sleep(args.idle_s)
-    t0 = time.time()
-    row["burst"] = do_bench(fn_sub, warmup=5, rep=25, return_mode="median")
-    phases.append((name, "burst", t0, time.time()))
-    time.sleep(args.idle_s)
-    t0 = time.time()
-    row["soak"] = summarize(back_to_back(fn_sub, args.soak_ms, row["burst"]))
-    phases.append((name, "soak", t0, time.time()))
-    if fn_whole is not None:
-        fn_whole()
+    for fn, burst, soak, rep in ((fn_sub, "burst", "soak", 25), (fn_whole, "whole", "whole_soak", 100)):
+        if fn is None:
+            continue
+        fn()
         torch.cuda.synchronize()
         time.sleep(args.idle_s)
         t0 = time.time()
-        row["whole"] = do_bench(fn_whole, warmup=5, rep=100, return_mode="median")
-        phases.append((name, "whole", t0, time.time()))
+        row[burst] = do_bench(fn, warmup=5, rep=rep, return_mode="median")
+        phases.append((name, burst, t0, time.time()))
         time.sleep(args.idle_s)
         t0 = time.time()
-        row["whole_soak"] = summarize(back_to_back(fn_whole, args.soak_ms, row["whole"]))
-        phases.append((name, "whole_soak", t0, time.time()))
+        row[soak] = summarize(back_to_back(fn, args.soak_ms, row[burst]))
+        phases.append((name, soak, t0, time.time()))
     return row
 
 
@@ -146,11 +135,7 @@ def main():
     a = ap.parse_args()
     cases = CASES
     if a.cases:
-        cases = []
-        for c in a.cases.split(","):
-            shape, bt, mode = c.split(":")
-            m, n = shape.split("x")
-            cases.append((int(m), int(n), int(bt), mode))
+        cases = parse_cases(a.cases)
     out_path = Path(a.out)
     smi = SmiLog(out_path.with_suffix(".smi.csv"))
     t_start = time.time()
@@ -158,21 +143,12 @@ def main():
     precompile(list({repr(s): s for s in specs}.values()))
     print(f"precompiled in {time.time() - t_start:.0f} s", flush=True)
 
-    rule = RULES["AdamW"]
-    group = dict(rule.defaults, lr=1e-4, weight_decay=0.1)
-    coeffs = rule.padded(rule.coefficients(group, {}, 10))
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev_name = torch.cuda.get_device_name()
     results, phases = [], []
     for (M, N, BT, mode) in cases:
-        W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
-        views = make_states(mode, M, N, gen)
-        dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
-        x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
-        job = UpdateJob(weight=W, rule=rule, coeffs=coeffs, states=views, stochastic_weight=True,
-                        stochastic_state=True, key_weight=precision.stream_key(0, 0, 1, 0),
-                        key_states=(precision.stream_key(0, 0, 1, 1), precision.stream_key(0, 0, 1, 2), 0),
-                        nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+        job, dy, x = random_case(M, N, BT, mode, gen)
+        W = job.weight
         kwargs = launch_kwargs(job, dy, x)
         case = f"{M}x{N}:{BT}:{mode}"
         rows = {}
@@ -201,7 +177,7 @@ def main():
         print(f"{case} (c) burst {rc['burst']:.4f} soak {rc['soak']['early']:.4f}->{rc['soak']['late']:.4f}"
               + (f" whole {rc['whole']:.3f} ->{rc['whole_soak']['late']:.3f}" if "whole" in rc else ""), flush=True)
         results.append(dict(case=case, rows=rows))
-        del W, views, dy, x, job, kwargs, mb, vb, base_sub, base_whole
+        del W, dy, x, job, kwargs, mb, vb, base_sub, base_whole
         torch.cuda.empty_cache()
         write(out_path, a, results, phases, smi, dev_name, complete=False)
     smi.stop()

@@ -25,14 +25,11 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernel import make_states  # noqa: E402
+from bench_kernel import parse_cases, random_case  # noqa: E402
 
-from forge_optim import precision  # noqa: E402
-from forge_optim.backends.base import UpdateJob  # noqa: E402
 from forge_optim.backends.triton_backend import launch_kwargs, tuning_launch  # noqa: E402
 from forge_optim.kernels import fused as fk  # noqa: E402
 from forge_optim.kernels.launch import candidate_configs, precompile  # noqa: E402
-from forge_optim.rules import RULES  # noqa: E402
 
 # (Dout, Din, BT, state mode)
 CASES = [
@@ -56,11 +53,7 @@ def main():
     row_counts = [int(r) for r in a.rows.split(",")]
     cases = QUICK if a.quick else CASES
     if a.cases:
-        cases = []
-        for c in a.cases.split(","):
-            shape, bt, mode = c.split(":")
-            m, n = shape.split("x")
-            cases.append((int(m), int(n), int(bt), mode))
+        cases = parse_cases(a.cases)
     t0 = time.time()
     specs = [dict(config=c, kinds=fk.ADAM_STATE_KINDS[m])
              for m in ("bf16", "int8") for bt in sorted({c[2] for c in cases}) for c in candidate_configs(bt)]
@@ -68,20 +61,10 @@ def main():
     precompile(specs)
     print(f"precompiled {len(specs)} variants in {time.time() - t0:.0f} s", flush=True)
 
-    rule = RULES["AdamW"]
-    group = dict(rule.defaults, lr=1e-4, weight_decay=0.1)
-    coeffs = rule.padded(rule.coefficients(group, {}, 10))
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for (M, N, BT, mode) in cases:
-        W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
-        views = make_states(mode, M, N, gen)
-        dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
-        x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
-        job = UpdateJob(weight=W, rule=rule, coeffs=coeffs, states=views, stochastic_weight=True,
-                        stochastic_state=True, key_weight=precision.stream_key(0, 0, 1, 0),
-                        key_states=(precision.stream_key(0, 0, 1, 1), precision.stream_key(0, 0, 1, 2), 0),
-                        nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
+        job, dy, x = random_case(M, N, BT, mode, gen)
         kwargs = launch_kwargs(job, dy, x)
         sizes = [r for r in row_counts if r < M] + [M]
         table = {}
@@ -118,7 +101,7 @@ def main():
         for c, row in sorted(table.items(), key=lambda kv: kv[1][M]):
             print("      " + c.ljust(42) + "  ".join(f"{k}:{v:.4f}" for k, v in row.items() if k != "error"),
                   flush=True)
-        del W, views, dy, x, job, kwargs
+        del dy, x, job, kwargs
         torch.cuda.empty_cache()
         out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
