@@ -44,6 +44,44 @@ def test_dx_uses_the_weight_from_before_the_update():
     torch.testing.assert_close(lin.weight.detach(), w_old - 0.5 * dy.t() @ x.detach(), rtol=0, atol=1e-6)
 
 
+def test_torch_func_transforms_are_refused_by_name():
+    """The fused linear calls the C++ autograd apply directly (no Python wrapper: host time). Under
+    torch.func transforms it refuses with the module's name and the way out, before touching the weight
+    (torch's own message would ask for a setup_context)."""
+    lin = nn.Sequential(nn.Linear(7, 5))
+    forge_optim.AdamW(lin, lr=1e-2)
+    w0 = lin[0].weight.detach().clone()
+    x = torch.randn(3, 7)
+    with pytest.raises(RuntimeError, match="fused linear '0' cannot run under torch.func"):
+        torch.func.grad(lambda t: lin(t).sum())(x)
+    assert torch.equal(lin[0].weight.detach(), w0)
+    with torch.no_grad():  # inference under vmap runs unfused
+        torch.testing.assert_close(torch.func.vmap(lin)(x.unsqueeze(1)).squeeze(1), lin(x))
+
+
+def test_parametrized_linear_is_unfused_and_late_parametrization_is_refused():
+    """A linear parametrized before the optimizer is left to opt.step() (its weight is computed); one
+    parametrized after patching no longer has the weight the optimizer updates: a clear error, and the
+    weight is not touched."""
+    from torch.nn.utils import parametrize
+
+    class Sym(nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).t()
+
+    early = nn.Sequential(nn.Linear(6, 6))
+    parametrize.register_parametrization(early[0], "weight", Sym())
+    opt = forge_optim.AdamW(early, lr=1e-2)
+    assert "0" in opt.unfused_linears() and not opt.fused_modules()
+    late = nn.Sequential(nn.Linear(6, 6))
+    forge_optim.AdamW(late, lr=1e-2)
+    w0 = late[0].weight.detach().clone()
+    parametrize.register_parametrization(late[0], "weight", Sym())
+    with pytest.raises(RuntimeError, match="parametrized .* after the optimizer patched it"):
+        late(torch.randn(2, 6))
+    assert torch.equal(late[0].parametrizations.weight.original.detach(), w0)
+
+
 class _AllocRecorder(TorchDispatchMode):
     """Records (element count, dtype, op) of every tensor an op returns: by default only new storages
     (outputs that alias no input); ``views_too=True`` records every output. A sparse result counts

@@ -126,7 +126,10 @@ class FusedWeight:
         if not self.attached:
             raise RuntimeError(f"'{self.name}' was unpatched while a forward through it was pending")
         dy, x = dtensor.local_operands(self.param, dy, x)
-        dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        if dy.dim() != 2:  # a view op each: ~0.8 us of host time
+            dy = dy.reshape(-1, dy.shape[-1])
+        if x.dim() != 2:
+            x = x.reshape(-1, x.shape[-1])
         if opt._accumulating or self.pending_fwd or self.pending_rec or self.pending_traced:
             # Another use of this weight still needs the old W, or we are inside accumulate():
             # add this gradient to the fp32 buffer and update after the last use.

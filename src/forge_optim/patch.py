@@ -24,11 +24,20 @@ class ForgeLinear(nn.Linear):
 
     def forward(self, x):
         h = self._forge_handle
-        if h is None or not torch.is_grad_enabled() or not self.weight.requires_grad:
-            return F.linear(x, self.weight, self.bias)
+        params = self._parameters  # not self.weight: nn.Module.__getattr__ costs ~0.5 us per access
+        try:
+            weight, bias = params["weight"], params["bias"]
+        except KeyError:
+            raise RuntimeError(
+                "a forge_optim-fused nn.Linear was parametrized (torch.nn.utils.parametrize) after the "
+                "optimizer patched it: its weight is no longer the tensor updated in backward. Register "
+                "parametrizations before creating the optimizer (parametrized linears are left unfused "
+                "and stepped by opt.step())") from None
+        if h is None or not torch.is_grad_enabled() or not weight.requires_grad:
+            return F.linear(x, weight, bias)
         if torch.compiler.is_compiling():
-            return fused_linear_traceable(x, self.weight, self.bias, self._forge_weight_alias, h.id)
-        return fused_linear(x, self.weight, self.bias, h)
+            return fused_linear_traceable(x, weight, bias, self._forge_weight_alias, h.id)
+        return fused_linear(x, weight, bias, h)
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.cuda() may give the weight new storage: re-make the alias the compiled form mutates.
