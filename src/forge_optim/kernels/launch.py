@@ -287,7 +287,8 @@ def split_rows(M: int, N: int, split_mb: int) -> int:
 
 
 def _wgrad_fp32(dy_cols: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> None:
-    """out = dY[:, rows]^T X, accumulated and written in fp32 (cuBLAS on CUDA)."""
+    """out = dY[:, rows]^T X, accumulated and written in fp32 (cuBLAS on CUDA; fp32 inputs follow
+    torch.backends.cuda.matmul.allow_tf32, where the fused kernel always takes the ieee dot)."""
     if dy_cols.dtype == torch.float32 or not dy_cols.is_cuda:
         torch.mm(dy_cols.t().float(), x.float(), out=out)
     else:
