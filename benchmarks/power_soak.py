@@ -35,7 +35,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernel import parse_cases, random_case  # noqa: E402
+from bench_kernel import parse_cases, random_case, unfused_step  # noqa: E402
 
 from forge_optim.backends.triton_backend import TUNE_ROWS, launch_kwargs, tuning_launch  # noqa: E402
 from forge_optim.kernels import fused as fk  # noqa: E402
@@ -46,7 +46,8 @@ CASES = [(128256, 4096, 8192, "bf16"), (151936, 4096, 8192, "bf16"), (4096, 4096
 
 
 class SmiLog:
-    """nvidia-smi sampling in the background; ``phase(t0, t1)`` averages the samples in a window."""
+    """nvidia-smi sampling in the background into a CSV; ``samples()`` parses it (write() averages the
+    samples inside each timed phase)."""
     FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
     def __init__(self, path: Path, period_ms: int = 100):
@@ -115,16 +116,6 @@ def measure(name, fn_sub, fn_whole, args, phases):
     return row
 
 
-def unfused(W, m, v, dy, x):
-    step_t = torch.tensor(10.0, device="cuda")
-
-    def fn():
-        G = dy.t() @ x
-        torch._fused_adamw_([W], [G], [m], [v], [], [step_t], lr=1e-4, beta1=0.9, beta2=0.999,
-                            weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
-    return fn
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -170,14 +161,15 @@ def main():
         mb, vb = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).bfloat16(), \
             (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).square().bfloat16()
         r = min(M, TUNE_ROWS)
-        base_sub = unfused(W[:r].clone(), mb[:r].clone(), vb[:r].clone(), dy[:, :r].contiguous(), x)
-        base_whole = unfused(W, mb, vb, dy, x) if M > TUNE_ROWS else None
+        dy_sub = dy[:, :r].contiguous()
+        base_sub = unfused_step(W[:r].clone(), mb[:r].clone(), vb[:r].clone(), lambda: (dy_sub, x))
+        base_whole = unfused_step(W, mb, vb, lambda: (dy, x)) if M > TUNE_ROWS else None
         rows["(c) cuBLAS wgrad + _fused_adamw_"] = measure(f"{case} (c)", base_sub, base_whole, a, phases)
         rc = rows["(c) cuBLAS wgrad + _fused_adamw_"]
         print(f"{case} (c) burst {rc['burst']:.4f} soak {rc['soak']['early']:.4f}->{rc['soak']['late']:.4f}"
               + (f" whole {rc['whole']:.3f} ->{rc['whole_soak']['late']:.3f}" if "whole" in rc else ""), flush=True)
         results.append(dict(case=case, rows=rows))
-        del W, dy, x, job, kwargs, mb, vb, base_sub, base_whole
+        del W, dy, x, dy_sub, job, kwargs, mb, vb, base_sub, base_whole
         torch.cuda.empty_cache()
         write(out_path, a, results, phases, smi, dev_name, complete=False)
     smi.stop()

@@ -32,6 +32,10 @@ class StateView:
     def quantized(self) -> bool:
         return self.scale is not None
 
+    def rows(self, r0: int, r1: int) -> "StateView":
+        """The state of weight rows [r0, r1): views of data and scales, no copy."""
+        return StateView(self.spec, self.data[r0:r1], None if self.scale is None else self.scale[r0:r1])
+
 
 @dataclass
 class UpdateJob:

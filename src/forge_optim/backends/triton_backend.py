@@ -113,8 +113,7 @@ class TritonBackend(Backend):
         for i, (r0, r1) in enumerate(row_chunks(rows, cols)):
             sub = UpdateJob(
                 weight=w[r0:r1], rule=job.rule, coeffs=job.coeffs,
-                states=[StateView(v.spec, v.data[r0:r1], None if v.scale is None else v.scale[r0:r1])
-                        for v in job.states],
+                states=[v.rows(r0, r1) for v in job.states],
                 grad_sign=job.grad_sign, grad_buffer=grad_rows(grad, r0, r1).contiguous(),
                 stochastic_weight=job.stochastic_weight, stochastic_state=job.stochastic_state,
                 # offsets restart in each chunk: give each chunk its own random stream
@@ -226,10 +225,8 @@ def tuning_launch(kwargs: dict, cfg: KernelConfig, max_rows: int = TUNE_ROWS):
 def _clone_view(view, rows=None):
     if view is None:
         return None
-    from .base import StateView
-
-    r = slice(None) if rows is None else slice(0, rows)
-    return StateView(view.spec, view.data[r].clone(), None if view.scale is None else view.scale[r].clone())
+    sub = view.rows(0, view.data.shape[0] if rows is None else rows)
+    return StateView(sub.spec, sub.data.clone(), None if sub.scale is None else sub.scale.clone())
 
 
 class LaunchPlan:

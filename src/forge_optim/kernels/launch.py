@@ -308,9 +308,8 @@ def split_launch(*, weight, dy, x, states, key_weight, key_states, config, **kw)
         g = scratch[: r1 - r0]
         _wgrad_fp32(dy[:, r0:r1], x, g)
         shift = r0 * N  # the hash reads (element offset + key) mod 2**32: the fused kernel's random bits
-        sub = tuple(None if v is None else type(v)(v.spec, v.data[r0:r1], None if v.scale is None else v.scale[r0:r1])
-                    for v in states)
-        launch(weight=weight[r0:r1], dy=dy[:0, r0:r1], x=x[:0], states=sub, grad_buffer=g,
+        launch(weight=weight[r0:r1], dy=dy[:0, r0:r1], x=x[:0],
+               states=tuple(None if v is None else v.rows(r0, r1) for v in states), grad_buffer=g,
                key_weight=key_weight + shift, key_states=tuple(k + shift for k in key_states), config=tile, **kw)
     return None
 
