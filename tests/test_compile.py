@@ -67,3 +67,29 @@ def test_alias_follows_the_weight_storage():
     lin.to(torch.float64).to(torch.float32)  # new storage
     assert lin._forge_weight_alias.data_ptr() == lin.weight.data_ptr()
     assert "_forge_weight_alias" not in lin.state_dict()
+
+
+def test_fused_ops_are_kept_out_of_cuda_graphs():
+    """Both ops run host code each call (use counts; the step's scalars): tagged so that
+    mode="reduce-overhead" never records them into a CUDA graph (tests/test_gpu_end_to_end.py runs it)."""
+    for op in (torch.ops.forge_optim.fused_linear.default, torch.ops.forge_optim.fused_linear_backward.default):
+        assert torch.Tag.cudagraph_unsafe in op.tags, op
+
+
+def test_step_inside_a_cuda_graph_capture_is_refused(monkeypatch):
+    """opt.step() of unfused parameters under capture would bake this step's scalars into the graph:
+    refused by name before any write (the capture query is faked here: CPU-only torch has no CUDA)."""
+    model = tiny_llama()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    ids = hf_batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) is running inside a CUDA graph capture"):
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the fused weights were updated in backward; the unfused ones (embeddings, norms) never got a state
+    assert not any("exp_avg" in st for p, st in opt.state.items() if id(p) not in opt._fused_ids)
+

@@ -122,6 +122,60 @@ def test_compiled_fp32_within_compile_noise_of_torch_adamw():
     assert gap <= 2 * noise + 1e-5, (gap, noise)
 
 
+def test_reduce_overhead_compile_is_exact():
+    """torch.compile(mode="reduce-overhead") replays CUDA graphs. FORGE's ops run host code every step
+    (the step's bias corrections, learning rate and rounding keys), so they must stay outside the
+    graphs: had a graph captured one, every replay would repeat step 1's update (bias-corrected step
+    10x lr in fp32 AdamW), far outside the tolerance below, which is test_compiled_fp32's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = llama()
+    models = {k: copy.deepcopy(base) for k in ("forge_g", "ref_c", "ref_e")}
+    opts = {"forge_g": forge_optim.AdamW(models["forge_g"], lr=1e-3, weight_decay=0.01)}
+    for k in ("ref_c", "ref_e"):
+        opts[k] = torch.optim.AdamW(models[k].parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    batches = data(6)
+    graphed = torch.compile(models["forge_g"], mode="reduce-overhead")
+    for ids in batches:
+        torch.compiler.cudagraph_mark_step_begin()
+        graphed(input_ids=ids, labels=ids).loss.backward()
+        opts["forge_g"].step()
+        opts["forge_g"].zero_grad()
+    train(torch.compile(models["ref_c"]), opts["ref_c"], batches)
+    train(models["ref_e"], opts["ref_e"], batches)
+    gap = rel_diff(models["forge_g"], models["ref_c"])
+    noise = rel_diff(models["ref_e"], models["ref_c"])
+    print(f"reduce-overhead forge vs compiled torch.optim: {gap:.2e}; eager vs compiled torch.optim: {noise:.2e}")
+    assert gap <= 2 * noise + 1e-5, (gap, noise)
+    for h in opts["forge_g"]._handles.values():
+        assert int(opts["forge_g"].state[h.param]["step"]) == len(batches), h.name
+
+
+def test_cuda_graph_capture_of_a_fused_update_is_refused_before_writing():
+    """A hand-made CUDA graph around backward would bake this step's scalars into every replay: the
+    capture is refused by name, and weights and states are left as they were."""
+    model = llama()
+    opt = forge_optim.AdamW(model, lr=1e-3)
+    ids = data(1)[0]
+    train(model, opt, [ids])  # states exist; the next update would change them
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    states = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            loss.backward()
+    torch.cuda.synchronize()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, states[id(p)][k]), k
+    with pytest.raises(RuntimeError, match=r"step\(\) is running inside a CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            opt.step()
+
+
 def test_bf16_model_bf16_and_int8_state_train():
     for state in ("bf16", "int8"):
         model = llama(dtype=torch.bfloat16)

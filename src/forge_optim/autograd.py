@@ -123,8 +123,13 @@ def _handle(hid: int):
 # with custom_op: a call then runs this one Python function, not custom_op's four Python wrappers
 # (autograd, inplace-or-view, backend, default filling: ~25 us per fused linear per step).
 _LIB = torch.library.Library("forge_optim", "FRAGMENT")
+# Both ops run host code every call (use counts; the step's learning rate, bias corrections and random
+# keys, passed to the kernel as scalars), which a CUDA graph replay would skip or repeat unchanged.
+# cudagraph_unsafe makes inductor's mode="reduce-overhead" keep them out of its CUDA graphs (it graphs
+# the code between them, or, where it cannot partition a graph, skips graphing that graph).
+_GRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 _LIB.define("fused_linear_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor(a!) weight_alias, "
-            "int handle_id, bool needs_dx) -> Tensor")
+            "int handle_id, bool needs_dx) -> Tensor", tags=_GRAPH_UNSAFE)
 
 
 def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -149,7 +154,8 @@ def _fused_linear_backward_fake(grad_out, x, weight, weight_alias, handle_id, ne
 # every call of the compiled graph (which runs without grad) in four Python frames; this one is one
 # frame plus the implementation's when no gradient is needed, and the autograd.Function below when one
 # is (AOTAutograd's trace, which records the backward op from it).
-_LIB.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor weight_alias, int handle_id) -> Tensor")
+_LIB.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor weight_alias, int handle_id) -> Tensor",
+            tags=_GRAPH_UNSAFE)
 
 
 def fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_alias: torch.Tensor,

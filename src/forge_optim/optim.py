@@ -54,6 +54,22 @@ def _copy_rows_back(dst: list, flat: torch.Tensor) -> None:
     torch._foreach_copy_(dst, [p if d.dim() == 1 else p.view(d.shape) for d, p in zip(dst, pieces)])
 
 
+def refuse_graph_capture(what: str) -> None:
+    """Raise, before anything is written, if the current CUDA stream is capturing a graph. The update's
+    learning rate, bias corrections and stochastic-rounding keys are host scalars baked into the
+    launch: every replay of the graph would apply this step's update again, silently. Call only where
+    CUDA is present (a CPU-only torch raises on the query)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"forge_optim: {what} inside a CUDA graph capture (torch.cuda.graph, or a CUDA-graph mode of "
+            "torch.compile that captured forge_optim's code). The update's learning rate, bias corrections "
+            "and random-rounding keys are host values that a replay would repeat unchanged, so each replay "
+            "would re-apply this step's update. Capture only code without FORGE updates: torch.compile(model) "
+            "(default mode) works, and mode='reduce-overhead' keeps forge_optim's ops out of its graphs on "
+            "torch builds with graph partitioning (TORCHINDUCTOR_GRAPH_PARTITION=1); call opt.step() "
+            "outside any captured region")
+
+
 class FusedWeight:
     """Links one fused weight to its optimizer: counts pending uses, buffers, updates."""
 
@@ -119,6 +135,8 @@ class FusedWeight:
         if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
             with torch.no_grad():
                 return self.consume(dy, x, use)
+        if dy.is_cuda:  # a CPU-only process has no stream to capture (and ~1 us less here)
+            refuse_graph_capture(f"the fused weight '{self.name}.weight' is being updated")
         if use is not None and not use.done:
             use.done = True
             self.release(use.kind)
@@ -480,6 +498,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Step the parameters that were not fused; fused weights were updated during backward."""
+        if torch.cuda.is_available():
+            refuse_graph_capture(f"{type(self).__name__}.step() is running")
         loss = None
         if closure is not None:
             with torch.enable_grad():

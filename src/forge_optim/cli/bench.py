@@ -73,6 +73,7 @@ LABELS = {
 }
 REFERENCE_ORDER = ("torch-fused-adamw", "torch-foreach-adamw")
 LOSSES = ("hf", "liger")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 GIB = 2.0 ** 30
 
 
@@ -97,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="Hugging Face gradient checkpointing (non-reentrant)")
     p.add_argument("--compile", action="store_true", help="torch.compile(model) for every method")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode with --compile: 'reduce-overhead' replays CUDA graphs (FORGE's "
+                   "ops stay outside them: they run host code every step)")
     p.add_argument("--loss", choices=LOSSES, default="hf",
                    help="the causal-LM loss, the same for every method: 'hf' (default), the model's own (fp32 "
                    "logits, torch cross-entropy); 'liger', Liger-Kernel's cross-entropy on the bf16 logits, "
@@ -333,7 +337,7 @@ def _worker_argv(ns, method: str, result_file: Path, timeline: bool) -> list[str
     if ns.activation_checkpointing:
         a.append("--activation-checkpointing")
     if ns.compile:
-        a.append("--compile")
+        a += ["--compile", "--compile-mode", ns.compile_mode]
     if ns.loss != "hf":
         a += ["--loss", ns.loss]
     if timeline:
@@ -396,6 +400,7 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
         "warmup": ns.warmup,
         "profile_steps": ns.profile_steps,
         "compile": bool(ns.compile),
+        "compile_mode": ns.compile_mode if ns.compile else None,
         "activation_checkpointing": bool(ns.activation_checkpointing),
         "loss": ns.loss,
         "dtype": "bfloat16",
@@ -405,7 +410,8 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
     if ns.device != "cuda":
         results["notes"].append("no CUDA: times only (CPU wall clock); peak memory and GPU time need CUDA")
     if ns.compile:
-        results["notes"].append("torch.compile(model) for every method; no memory timeline under compile")
+        results["notes"].append(f"torch.compile(model, mode={ns.compile_mode!r}) for every method; no memory "
+                                "timeline under compile")
     if ns.loss == "liger":
         results["notes"].append("loss: Liger-Kernel cross-entropy on the bf16 logits, gradient in place "
                                 "(every method)")
@@ -416,7 +422,7 @@ def run_parsed(ns: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     print(f"forge-optim bench: {model_name} ({counts['total'] / 1e9:.3f}B params"
           f"{', tied embeddings' if counts['tied'] else ''}), BS={ns.batch_size} SEQ={ns.seq_len}, "
-          f"{ns.warmup}+{ns.steps} steps, device {ns.device}{', compiled' if ns.compile else ''}"
+          f"{ns.warmup}+{ns.steps} steps, device {ns.device}{f', compiled ({ns.compile_mode})' if ns.compile else ''}"
           f"{', activation checkpointing' if ns.activation_checkpointing else ''} -> {out}", flush=True)
     save()
     if ns.device == "cuda" and any(m.startswith("forge-") for m in methods):
@@ -957,7 +963,8 @@ def _worker(ns, m: str, r: dict, save) -> None:
     opt, after, info = _make_method(m, model, ns.lr, ns.weight_decay, device)
     info.pop("handle", None)
     r.update(info)
-    fwd = torch.compile(model) if ns.compile else model
+    fwd = torch.compile(model, mode=None if ns.compile_mode == "default" else ns.compile_mode) if ns.compile else model
+    graphs = ns.compile and ns.compile_mode == "reduce-overhead"
     vocab = model.config.vocab_size
     B, S = ns.batch_size, ns.seq_len
     gen = torch.Generator(device=device)
@@ -967,6 +974,8 @@ def _worker(ns, m: str, r: dict, save) -> None:
         return torch.randint(0, vocab, (B, S), device=device, generator=gen)
 
     def step(ids):
+        if graphs:  # the last step's graph outputs are dead: let CUDA-graph trees reuse their memory
+            torch.compiler.cudagraph_mark_step_begin()
         loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         after()
