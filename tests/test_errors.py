@@ -41,6 +41,32 @@ def test_fp16_weights_are_refused():
         forge_optim.AdamW(nn.Linear(3, 3).half())
 
 
+def test_fp16_autocast_training_is_refused_bf16_and_inference_work():
+    """fp16 autocast means a GradScaler'd loss: the in-backward update would take the scaled gradient
+    (SGD with a 2**16 loss scale steps 65536x too far). Refused at the forward, by name, before any
+    write; inference under fp16 autocast and training under bf16 autocast are unaffected."""
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = forge_optim.SGD(model, lr=0.1)
+    handles = list(opt._handles.values())
+    x = torch.randn(4, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.raises(RuntimeError, match="float16.*GradScaler.*bfloat16"):
+            model(x)
+        with torch.no_grad():
+            assert model(x).dtype == torch.float16
+    gc.collect()  # the refused call's pending use is released with its arguments
+    assert all(h.pending_fwd == 0 for h in handles)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before["0.weight"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_triton_backend_without_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

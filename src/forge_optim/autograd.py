@@ -43,6 +43,15 @@ def autocast_operands(x, weight, bias):
     if not torch.is_autocast_enabled(dev):
         return x, weight, bias
     dt = torch.get_autocast_dtype(dev)
+    if dt == torch.float16:
+        # fp16 training needs loss scaling (GradScaler): the fused update would consume the *scaled*
+        # gradient in backward, before any unscale or inf check (SGD would step scale-times too far)
+        raise RuntimeError(
+            "forge_optim: a fused linear ran under torch.autocast(dtype=torch.float16) with gradients "
+            "enabled. fp16 training needs a loss scale (GradScaler), and a fused update is applied inside "
+            "backward to the scaled gradient, before the scaler could unscale it or skip the step. Use "
+            "torch.autocast(..., dtype=torch.bfloat16) (no loss scale needed), or exclude the module "
+            "(exclude=[...]) to train it with opt.step()")
     return x.to(dt), weight.to(dt), None if bias is None else bias.to(dt)
 
 
