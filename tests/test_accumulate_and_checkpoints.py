@@ -36,6 +36,29 @@ def test_accumulate_equals_optimizer_on_summed_gradient(final_outside):
     assert rel_diff(model, ref_model) <= TOL
 
 
+def test_accumulation_without_accumulate_warns_once(recwarn):
+    """The usual accumulation loop (backward per micro-batch, one opt.step()) takes one optimizer step
+    per backward on a fused layer: warned once, naming opt.accumulate(); one backward per opt.step()
+    and accumulate() stay silent."""
+    model, _ = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    data = batches(8)
+    _train(model, opt, data[:2])  # one backward per step
+    with opt.accumulate():
+        loss_fn(model, data[2]).backward()
+    loss_fn(model, data[3]).backward()
+    opt.step()
+    assert not [w for w in recwarn if "forge_optim" in str(w.message)]
+    for _ in range(2):  # twice: the warning is shown once
+        for b in data[4:6]:
+            loss_fn(model, b).backward()
+        opt.step()
+    msgs = [str(w.message) for w in recwarn if "forge_optim" in str(w.message)]
+    assert len(msgs) == 1 and "2 backward passes" in msgs[0] and "opt.accumulate()" in msgs[0], msgs
+    h = next(iter(opt._handles.values()))
+    assert int(opt.state[h.param]["step"]) == 1 + 1 + 1 + 4  # the warning does not change what ran
+
+
 def _train(model, opt, data):
     for b in data:
         loss_fn(model, b).backward()

@@ -67,6 +67,38 @@ def test_fp16_autocast_training_is_refused_bf16_and_inference_work():
     assert not torch.equal(model[0].weight, before["0.weight"])
 
 
+def test_model_cast_to_fp16_after_the_optimizer_is_refused_before_writing():
+    """model.half() after the optimizer exists would hand the kernel an fp16 weight it would store fp32
+    or bf16 words into: refused at the first update, by name, weights and states untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = forge_optim.AdamW(model, lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # one step in fp32: states and the prepared fast path exist
+    opt.step()
+    model.half()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    states = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with pytest.raises(RuntimeError, match=r"'1.weight' is torch.float16 now.*model.to\(torch.bfloat16\)"):
+        model(x.half()).float().sum().backward()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, states[id(p)][k]) for p, st in opt.state.items() for k, v in st.items())
+
+
+def test_weight_replaced_after_patching_is_refused():
+    """tie_weights() or `lin.weight = nn.Parameter(...)` after the optimizer exists: the fused update
+    would go to the old Parameter while the new one is used. Refused when called, by name."""
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+    opt = forge_optim.AdamW(model, lr=0.1)
+    assert "1" in opt.fused_modules()
+    model[1].weight = model[0].weight  # what tie_weights() does for an lm_head
+    ids = torch.randint(0, 16, (2, 5))
+    with pytest.raises(RuntimeError, match="fused linear '1' was replaced by another Parameter"):
+        model(ids)
+    with torch.no_grad():  # inference is a plain linear
+        assert model(ids).shape == (2, 5, 16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_triton_backend_without_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -9,6 +9,7 @@ biases, tied or shared weights) with the same rule, LR schedulers edit ``param_g
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections import defaultdict
 from typing import Any
@@ -82,6 +83,7 @@ class FusedWeight:
         self.pending_rec = 0  # uses first seen inside backward (reentrant checkpoint recompute)
         self.pending_traced = 0  # uses by the compiled form (no Use object: reset by opt.step())
         self.buffer: torch.Tensor | None = None  # fp32 gradient summed over uses / micro-steps
+        self.updates = 0  # fused updates applied since the last opt.step()
         self.attached = True
         self.fast: _FastPath | None = None  # the prepared launch of the last update (optimizer-owned)
         self.id = register_handle(self)  # how the compiled form's custom ops find this handle
@@ -166,7 +168,7 @@ class _FastPath:
     replaced, nonfinite='raise', DTensors) takes the full path, which re-prepares; accumulation
     never reaches it (consume() buffers those gradients)."""
 
-    __slots__ = ("state", "specs", "tensors", "wptr", "stochastic", "backend", "plan")
+    __slots__ = ("state", "specs", "tensors", "wptr", "wdtype", "stochastic", "backend", "plan")
 
     @classmethod
     def make(cls, opt, backend, p, state, job, dy, x):
@@ -181,7 +183,7 @@ class _FastPath:
         names = [sp.name for sp in self.specs] + [sp.name + "_scale" for sp in self.specs
                                                   if sp.name + "_scale" in state] + ["_nonfinite"]
         self.tensors = tuple((n, state[n]) for n in names)
-        self.wptr, self.stochastic = p.data_ptr(), opt.stochastic_rounding
+        self.wptr, self.wdtype, self.stochastic = p.data_ptr(), p.dtype, opt.stochastic_rounding
         return self
 
     def valid(self, opt, p, group, dy, x) -> bool:
@@ -191,7 +193,7 @@ class _FastPath:
         for name, t in self.tensors:
             if state.get(name) is not t:
                 return False
-        return (p.data_ptr() == self.wptr and opt.stochastic_rounding == self.stochastic
+        return (p.data_ptr() == self.wptr and p.dtype is self.wdtype and opt.stochastic_rounding == self.stochastic
                 and opt.nonfinite_mode == "skip" and opt._backends.get(p.device) is self.backend and self.plan.matches(dy, x))
 
 
@@ -238,6 +240,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.block_rows = int(block_rows)
         self.seed = int(seed)
         self._accumulating = 0
+        self._warned_repeat = False  # the "several updates per opt.step()" warning is shown once
         self._backends: dict[Any, Any] = {}
         self._model_ref = weakref.ref(model)
 
@@ -359,6 +362,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
         return self._backends[key]
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        if p.dtype not in (torch.float32, torch.bfloat16):
+            # checked at construction too; a model cast afterwards (model.half()) would otherwise reach
+            # the kernel, which stores fp32 or bf16 words: a wrong-width write into the weight's storage
+            h = self._fused_ids.get(id(p))
+            name = f"{h.name}.weight" if h else self._param_names.get(id(p), "?")
+            raise RuntimeError(
+                f"forge_optim: parameter '{name}' is {p.dtype} now (the model was cast after the optimizer "
+                "was created); forge_optim updates float32 and bfloat16 weights only. Cast it back "
+                "(model.to(torch.bfloat16) or model.float()), or create the optimizer after casting to one "
+                "of those")
         state = self.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -442,6 +455,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         p = handle.param
         gi, idx = self._locate(p)
         group = self.param_groups[gi]
+        handle.updates += 1
         fast = handle.fast
         if fast is not None and handle.buffer is None and fast.valid(self, p, group, dy, x):
             coeffs, key_weight, keys = self._step_scalars(group, fast.state, idx, fast.specs)
@@ -461,6 +475,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             bad = int(state["_nonfinite"]) - before
             if bad:
                 self._raise_after_backward(f"{handle.name}.weight", bad)
+
+    def _warn_repeated_updates(self, h: FusedWeight) -> None:
+        """The usual gradient-accumulation loop (backward per micro-batch, opt.step() every k) would
+        silently take k optimizer steps per opt.step() here: each backward through a fused layer is one."""
+        self._warned_repeat = True
+        warnings.warn(
+            f"forge_optim: '{h.name}.weight' was updated by {h.updates} backward passes since the last "
+            f"{type(self).__name__}.step(): each backward through a fused layer applies a full optimizer step "
+            "to it. If these backward passes were micro-batches of one step (gradient accumulation), run them "
+            "inside `with opt.accumulate():` (the first backward outside it, or opt.step(), applies the summed "
+            "gradient once). Shown once per optimizer.", UserWarning, stacklevel=3)
 
     @staticmethod
     def _raise_after_backward(name: str, count: int) -> None:
@@ -515,6 +540,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                             "another consumer used it (e.g. a functional call on the weight), so its in-backward "
                             f"update may have run before that use. Exclude it: exclude=['{h.name}']")
                     h.pending_traced = 0  # every backward of this step has run: what is left is stale
+                    if h.updates > 1 and not self._warned_repeat:
+                        self._warn_repeated_updates(h)
+                    h.updates = 0
                     if h.buffer is not None and not self._accumulating:
                         # accumulate() was used for every micro-step: apply the summed gradient now.
                         buf, h.buffer = h.buffer, None

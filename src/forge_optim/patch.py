@@ -35,6 +35,13 @@ class ForgeLinear(nn.Linear):
                 "and stepped by opt.step())") from None
         if h is None or not torch.is_grad_enabled() or not weight.requires_grad:
             return F.linear(x, weight, bias)
+        if weight is not h.param:
+            raise RuntimeError(
+                f"forge_optim: the weight of fused linear '{h.name}' was replaced by another Parameter after the "
+                "optimizer was created (e.g. tie_weights() tying it to an embedding, or `module.weight = "
+                "nn.Parameter(...)`): its in-backward update would go to the old tensor. Create the optimizer "
+                "after the model's parameters are final (tied weights are then left to opt.step()), or copy new "
+                "values in place (module.weight.data.copy_(...))")
         if torch.compiler.is_compiling():
             return fused_linear_traceable(x, weight, bias, self._forge_weight_alias, h.id)
         return fused_linear(x, weight, bias, h)
