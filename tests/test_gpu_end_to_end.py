@@ -191,6 +191,23 @@ def test_cuda_graph_capture_of_a_fused_update_is_refused_before_writing():
     assert all(int(st["step"]) == 3 for st in opt.state.values())
 
 
+def test_model_cast_to_fp16_after_the_optimizer_is_refused_on_gpu():
+    """On the GPU a late model.half() would have sent an fp16 weight to the Triton kernel, which stores
+    fp32 or bf16 words: refused by name before the launch, weights and states untouched."""
+    model = llama()
+    opt = forge_optim.AdamW(model, lr=1e-3)
+    ids = data(1)[0]
+    train(model, opt, [ids])
+    model.half()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    states = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with pytest.raises(RuntimeError, match="is torch.float16 now"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, states[id(p)][k]) for p, st in opt.state.items() for k, v in st.items())
+
+
 def test_bf16_model_bf16_and_int8_state_train():
     for state in ("bf16", "int8"):
         model = llama(dtype=torch.bfloat16)
