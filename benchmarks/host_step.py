@@ -1,6 +1,6 @@
 """Host time of a training step, phase by phase, on a tiny Llama with many layers (CPU, no GPU needed).
 
-    python3 benchmarks/host_step.py [--layers 32] [--steps 20] [--state-dtype bf16] [--out FILE]
+    python3 benchmarks/host_step.py [--layers 32] [--steps 20] [--state-dtype bf16] [--threads N] [--out FILE]
 
 The model is too small for compute to matter (hidden 64, vocabulary 4096), so what is timed is the
 host's work: forward, backward and ``opt.step()`` of forge_optim.AdamW (backend="triton" under
@@ -71,8 +71,14 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--state-dtype", default="bf16", choices=("fp32", "bf16", "int8"))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's). On a many-core host with a noisy neighbour "
+                    "the default's thread pool made runs of identical code differ by up to 40% (NOTES.md, "
+                    "twelfth session); --threads 1 times the Python path alone")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     launch_mod.fused.forge_fused_kernel = _NoLaunch()
     ids = torch.randint(0, 4096, (1, 64), generator=torch.Generator().manual_seed(0))
     res = {}
@@ -92,6 +98,7 @@ def main():
     out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                device=f"cpu ({platform.machine()}, {os.cpu_count()} cores)", torch=torch.__version__,
                command=" ".join([sys.executable] + sys.argv), layers=a.layers, steps=a.steps,
+               threads=torch.get_num_threads(),
                units="ms per step, median", **res)
     path = Path(a.out) if a.out else (Path(__file__).resolve().parent / "results"
                                       / f"host-step-{dt.date.today().isoformat()}.json")
