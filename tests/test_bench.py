@@ -91,6 +91,23 @@ def test_repeat_reference_reports_the_drift_of_the_run_order(tmp_path, capsys):
     assert "reference again (torch-foreach-adamw, run last)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_compile_mode_reaches_the_worker_and_the_results(tmp_path, capsys):
+    """--compile-mode is passed to each method's process (its torch.compile) and recorded; on CPU,
+    reduce-overhead has no CUDA graphs to replay and must still train."""
+    out = tmp_path / "run"
+    rc = bench.main(["--device", "cpu", "--model", "tiny", "--layers", "1", "--batch-size", "1", "--seq-len", "16",
+                     "--steps", "1", "--warmup", "1", "--methods", "forge", "--compile", "--compile-mode",
+                     "reduce-overhead", "--no-plots", "--out-dir", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["compile"] is True and res["compile_mode"] == "reduce-overhead"
+    assert res["methods"]["forge-bf16"]["status"] == "ok"
+    assert res["methods"]["forge-bf16"]["compile_mode"] == "reduce-overhead"  # the worker's own record
+    assert "mode='reduce-overhead'" in " ".join(res["notes"])
+    assert "compiled (reduce-overhead)" in capsys.readouterr().out
+
+
 def test_failures_are_reported_not_lost(tmp_path):
     """A worker that dies leaves an error row; the others' numbers stay in results.json."""
     results = {"methods": {"none": {"status": "ok", "ms_median": 10.0},

@@ -965,6 +965,7 @@ def _worker(ns, m: str, r: dict, save) -> None:
     r.update(info)
     fwd = torch.compile(model, mode=None if ns.compile_mode == "default" else ns.compile_mode) if ns.compile else model
     graphs = ns.compile and ns.compile_mode == "reduce-overhead"
+    r["compile_mode"] = ns.compile_mode if ns.compile else None  # what this process compiled with
     vocab = model.config.vocab_size
     B, S = ns.batch_size, ns.seq_len
     gen = torch.Generator(device=device)
