@@ -160,3 +160,30 @@ def test_load_rejects_mismatched_groups():
     two = forge_optim.AdamW(other, params=[{"params": [other.up.weight]}, {"params": [other.head.weight]}])
     with pytest.raises(ValueError, match="parameter groups"):
         opt.load_state_dict(two.state_dict())
+
+
+def test_load_of_another_models_states_is_refused_and_changes_nothing():
+    """A checkpoint whose states have other shapes (another model, or the parameters listed in another
+    order) is refused by name, even where the sizes match and a reshape would go through silently;
+    the failed load leaves the optimizer's groups and states as they were."""
+    def build(dims):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:])])
+        o = forge_optim.AdamW(m, lr=1e-2)
+        m(torch.randn(2, dims[0])).sum().backward()
+        o.step()
+        return m, o
+
+    _, src = build([8, 4, 8])  # weights [4, 8] and [8, 4]
+    model, opt = build([4, 8, 4])  # weights [8, 4] and [4, 8]: the same sizes, transposed
+    groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+    saved = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    sd = src.state_dict()
+    sd["param_groups"][0]["lr"] = 0.5  # would be loaded first if groups were replaced before states
+    # (the fused weights' states were made in backward order: the last layer's is checked first)
+    with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter '1.weight' has shape \(8, 4\), "
+                                         r"the parameter has \(4, 8\).*nothing was loaded"):
+        opt.load_state_dict(sd)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
+    for p, st in opt.state.items():
+        assert all(torch.equal(v, saved[id(p)][k]) for k, v in st.items())

@@ -664,12 +664,29 @@ class ForgeOptimizer(torch.optim.Optimizer):
             ng["params"] = g["params"]
             self.rule.validate(ng)
             new_groups.append(ng)
-        self.param_groups = new_groups
+        # Everything is checked and converted before anything is replaced: a load that fails leaves
+        # this optimizer exactly as it was.
+        group_of = {id(q): ng for ng in new_groups for q in ng["params"]}
         new_state = defaultdict(dict)
         for k, saved in state_dict["state"].items():
             p = id_map[k]
-            new_state[p] = self._import_state(p, self._group_of(p), saved)
+            self._check_saved_shapes(p, group_of[id(p)], saved)
+            new_state[p] = self._import_state(p, group_of[id(p)], saved)
+        self.param_groups = new_groups
         self.state = new_state
+
+    def _check_saved_shapes(self, p, group: dict, saved: dict) -> None:
+        """A saved element-wise state must have its parameter's shape: one of another shape but the same
+        size would otherwise be reshaped into this parameter's layout, silently scrambled."""
+        for spec in self.rule.state_specs(group):
+            value = saved.get(spec.name)
+            if value is not None and tuple(value.shape) != tuple(p.shape):
+                h = self._fused_ids.get(id(p))
+                name = f"{h.name}.weight" if h else self._param_names.get(id(p), "?")
+                raise ValueError(
+                    f"loaded state dict: state {spec.name!r} of parameter '{name}' has shape {tuple(value.shape)}, "
+                    f"the parameter has {tuple(p.shape)}. The checkpoint comes from another model, or its "
+                    "parameters were listed in another order; nothing was loaded")
 
     def _import_state(self, p, group, saved: dict) -> dict:
         state: dict = {}
