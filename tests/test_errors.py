@@ -85,6 +85,26 @@ def test_model_cast_to_fp16_after_the_optimizer_is_refused_before_writing():
     assert all(torch.equal(v, states[id(p)][k]) for p, st in opt.state.items() for k, v in st.items())
 
 
+def test_states_left_on_another_device_are_refused_before_writing():
+    """model.to("cuda") after the first step moves the weights (in place), not the optimizer's states:
+    the kernel would get the old device's pointers. Simulated here by moving one state to the meta
+    device; refused by name at the next update, with weights, steps and the other states untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = forge_optim.AdamW(model, lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+    opt.state[model[1].weight]["exp_avg_sq"] = opt.state[model[1].weight]["exp_avg_sq"].to("meta")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = {id(p): int(st["step"]) for p, st in opt.state.items()}
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg_sq' of '1.weight' is on meta, the parameter on cpu.*"
+                                           r"Create the optimizer after moving the model"):
+        model(x).sum().backward()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert {id(p): int(st["step"]) for p, st in opt.state.items()} == steps
+
+
 def test_weight_replaced_after_patching_is_refused():
     """tie_weights() or `lin.weight = nn.Parameter(...)` after the optimizer exists: the fused update
     would go to the old Parameter while the new one is used. Refused when called, by name."""

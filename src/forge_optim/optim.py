@@ -365,10 +365,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         if p.dtype not in (torch.float32, torch.bfloat16):
             # checked at construction too; a model cast afterwards (model.half()) would otherwise reach
             # the kernel, which stores fp32 or bf16 words: a wrong-width write into the weight's storage
-            h = self._fused_ids.get(id(p))
-            name = f"{h.name}.weight" if h else self._param_names.get(id(p), "?")
             raise RuntimeError(
-                f"forge_optim: parameter '{name}' is {p.dtype} now (the model was cast after the optimizer "
+                f"forge_optim: parameter '{self._name_of(p)}' is {p.dtype} now (the model was cast after the optimizer "
                 "was created); forge_optim updates float32 and bfloat16 weights only. Cast it back "
                 "(model.to(torch.bfloat16) or model.float()), or create the optimizer after casting to one "
                 "of those")
@@ -385,7 +383,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
                 self._set_state_constant(p, state, spec, value, mode)
         if "_nonfinite" not in state:
             state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=lp.device)
+        for key, value in state.items():
+            # model.to(device) after the first step moves the weights, not the states: the kernel would
+            # be handed pointers of the old device
+            if key != "step" and key not in self.rule.scalar_states and dtensor.local(value).device != lp.device:
+                raise RuntimeError(
+                    f"forge_optim: optimizer state {key!r} of '{self._name_of(p)}' is on "
+                    f"{dtensor.local(value).device}, the parameter on {lp.device}: the model was moved after "
+                    "the optimizer's first step. Create the optimizer after moving the model, or move the states "
+                    "with it: opt.load_state_dict(opt.state_dict()) after the move")
         return state
+
+    def _name_of(self, p: torch.Tensor) -> str:
+        """The parameter's name in the model, for error messages."""
+        h = self._fused_ids.get(id(p))
+        return f"{h.name}.weight" if h else self._param_names.get(id(p), "?")
 
     @classmethod
     def _set_state_constant(cls, p, state: dict, spec, value: float, mode: str) -> None:
@@ -681,10 +693,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for spec in self.rule.state_specs(group):
             value = saved.get(spec.name)
             if value is not None and tuple(value.shape) != tuple(p.shape):
-                h = self._fused_ids.get(id(p))
-                name = f"{h.name}.weight" if h else self._param_names.get(id(p), "?")
                 raise ValueError(
-                    f"loaded state dict: state {spec.name!r} of parameter '{name}' has shape {tuple(value.shape)}, "
+                    f"loaded state dict: state {spec.name!r} of parameter '{self._name_of(p)}' has shape {tuple(value.shape)}, "
                     f"the parameter has {tuple(p.shape)}. The checkpoint comes from another model, or its "
                     "parameters were listed in another order; nothing was loaded")
 

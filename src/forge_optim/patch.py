@@ -7,6 +7,7 @@ state_dict keys, hooks and ``isinstance`` are unchanged); un-fusing swaps it bac
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections import defaultdict
 
 import torch
@@ -135,6 +136,13 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
             skip[name] = why
         else:
             fuse[name] = mod
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for pat in patterns:
+        if not any(fnmatch.fnmatchcase(n, pat) for n in linears):
+            # most likely a typo, and then the module meant to be excluded is fused
+            warnings.warn(f"forge_optim: exclude pattern {pat!r} matches no nn.Linear of the model (patterns are "
+                          f"fnmatch patterns on full module names, e.g. {linears[-1] if linears else 'lm_head'!r} "
+                          "or '*.mlp.*'); nothing was excluded by it", UserWarning, stacklevel=4)
     return fuse, skip
 
 
