@@ -1,5 +1,4 @@
 """Bad input gets a clear error that names the problem and the fix, and changes nothing."""
-import os
 
 import pytest
 import torch

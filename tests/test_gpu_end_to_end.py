@@ -36,8 +36,10 @@ def data(n, vocab=512, bs=2, seq=64):
     return [torch.randint(0, vocab, (bs, seq), device="cuda", generator=g) for _ in range(n)]
 
 
-def train(model, opt, batches):
+def train(model, opt, batches, graphs=False):
     for ids in batches:
+        if graphs:  # mode="reduce-overhead": the last step's graph outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -101,25 +103,33 @@ def test_eager_fp32_equals_torch_adamw_given_the_same_gradient():
     assert gaps[-1][0] <= 2 * gaps[-1][1] + 1e-5, gaps[-1]
 
 
+def compiled_gap(steps: int, mode: str | None = None):
+    """FORGE compiled with ``mode`` and torch.optim.AdamW compiled in the default mode, both trained
+    ``steps`` steps from one fp32 Llama, and eager torch.optim.AdamW beside them. Returns (gap, noise,
+    forge's optimizer): gap = FORGE vs compiled torch.optim; noise = what compiling alone moves
+    torch.optim (eager vs compiled), the yardstick of "fp32 round-off" here."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = llama()
+    models = {k: copy.deepcopy(base) for k in ("forge", "ref_c", "ref_e")}
+    opts = {"forge": forge_optim.AdamW(models["forge"], lr=1e-3, weight_decay=0.01)}
+    for k in ("ref_c", "ref_e"):
+        opts[k] = torch.optim.AdamW(models[k].parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
+    batches = data(steps)
+    train(torch.compile(models["forge"], mode=mode), opts["forge"], batches, graphs=mode == "reduce-overhead")
+    train(torch.compile(models["ref_c"]), opts["ref_c"], batches)
+    train(models["ref_e"], opts["ref_e"], batches)
+    assert all(torch.isfinite(p).all() for p in models["forge"].parameters())
+    return rel_diff(models["forge"], models["ref_c"]), rel_diff(models["ref_e"], models["ref_c"]), opts["forge"]
+
+
 def test_compiled_fp32_within_compile_noise_of_torch_adamw():
     """torch.compile'd FORGE (custom ops, Triton backend) against compiled torch.optim.AdamW on
     cuBLAS gradients, 5 steps, fp32. Their gradients differ in summation order (Triton tile vs
     cuBLAS), and Adam turns near-zero gradients' round-off into visible steps, so "fp32 round-off"
     is calibrated in the same run: the FORGE-vs-torch gap must not exceed twice the gap that
     compiling alone opens between eager and compiled torch.optim (plus 1e-5)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    base = llama()
-    models = {k: copy.deepcopy(base) for k in ("forge_c", "ref_c", "ref_e")}
-    opts = {"forge_c": forge_optim.AdamW(models["forge_c"], lr=1e-3, weight_decay=0.01)}
-    for k in ("ref_c", "ref_e"):
-        opts[k] = torch.optim.AdamW(models[k].parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    batches = data(5)
-    for k, m in models.items():
-        train(torch.compile(m) if k.endswith("_c") else m, opts[k], batches)
-    gap = rel_diff(models["forge_c"], models["ref_c"])
-    noise = rel_diff(models["ref_e"], models["ref_c"])
+    gap, noise, _ = compiled_gap(5)
     print(f"compiled forge vs compiled torch.optim: {gap:.2e}; eager vs compiled torch.optim: {noise:.2e}")
-    assert all(torch.isfinite(p).all() for p in models["forge_c"].parameters())
     assert gap <= 2 * noise + 1e-5, (gap, noise)
 
 
@@ -128,27 +138,11 @@ def test_reduce_overhead_compile_is_exact():
     (the step's bias corrections, learning rate and rounding keys), so they must stay outside the
     graphs: had a graph captured one, every replay would repeat step 1's update (bias-corrected step
     10x lr in fp32 AdamW), far outside the tolerance below, which is test_compiled_fp32's."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    base = llama()
-    models = {k: copy.deepcopy(base) for k in ("forge_g", "ref_c", "ref_e")}
-    opts = {"forge_g": forge_optim.AdamW(models["forge_g"], lr=1e-3, weight_decay=0.01)}
-    for k in ("ref_c", "ref_e"):
-        opts[k] = torch.optim.AdamW(models[k].parameters(), lr=1e-3, weight_decay=0.01, foreach=False)
-    batches = data(6)
-    graphed = torch.compile(models["forge_g"], mode="reduce-overhead")
-    for ids in batches:
-        torch.compiler.cudagraph_mark_step_begin()
-        graphed(input_ids=ids, labels=ids).loss.backward()
-        opts["forge_g"].step()
-        opts["forge_g"].zero_grad()
-    train(torch.compile(models["ref_c"]), opts["ref_c"], batches)
-    train(models["ref_e"], opts["ref_e"], batches)
-    gap = rel_diff(models["forge_g"], models["ref_c"])
-    noise = rel_diff(models["ref_e"], models["ref_c"])
+    gap, noise, opt = compiled_gap(6, mode="reduce-overhead")
     print(f"reduce-overhead forge vs compiled torch.optim: {gap:.2e}; eager vs compiled torch.optim: {noise:.2e}")
     assert gap <= 2 * noise + 1e-5, (gap, noise)
-    for h in opts["forge_g"]._handles.values():
-        assert int(opts["forge_g"].state[h.param]["step"]) == len(batches), h.name
+    for h in opt._handles.values():
+        assert int(opt.state[h.param]["step"]) == 6, h.name
 
 
 def _raised_in_chain(exc: BaseException, text: str) -> bool:
