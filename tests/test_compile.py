@@ -93,3 +93,27 @@ def test_step_inside_a_cuda_graph_capture_is_refused(monkeypatch):
     # the fused weights were updated in backward; the unfused ones (embeddings, norms) never got a state
     assert not any("exp_avg" in st for p, st in opt.state.items() if id(p) not in opt._fused_ids)
 
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_compiled_fp16_autocast_training_is_refused_and_releases_its_uses():
+    """The fp16-autocast refusal (tests/test_errors.py) under torch.compile: dynamo abandons the traced
+    call and the eager fallback raises; no use stays pending and no half-built object is left to
+    fail in its finalizer, so the next compiled step trains normally."""
+    import gc
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    compiled = torch.compile(model)
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.autocast("cpu", dtype=torch.float16):
+        with pytest.raises(RuntimeError, match="float16.*GradScaler"):
+            compiled(x)
+    gc.collect()
+    assert all(h.pending_fwd == 0 and h.pending_traced == 0 for h in opt._handles.values())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    compiled(x).sum().backward()
+    opt.step()
+    assert all(int(opt.state[h.param]["step"]) == 1 for h in opt._handles.values())

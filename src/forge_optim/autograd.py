@@ -32,7 +32,8 @@ class Use:
         self.handle, self.kind, self.done = handle, kind, False
 
     def __del__(self):
-        if not self.done and self.kind is not None:
+        # getattr: torch.compile may build a Use without __init__ while tracing a call it then abandons
+        if not getattr(self, "done", True) and self.kind is not None:
             self.handle.release(self.kind)
 
 
