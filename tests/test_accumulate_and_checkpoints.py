@@ -53,8 +53,10 @@ def test_accumulation_without_accumulate_warns_once(recwarn):
         for b in data[4:6]:
             loss_fn(model, b).backward()
         opt.step()
-    msgs = [str(w.message) for w in recwarn if "forge_optim" in str(w.message)]
+    ours = [w for w in recwarn if "forge_optim" in str(w.message)]
+    msgs = [str(w.message) for w in ours]
     assert len(msgs) == 1 and "2 backward passes" in msgs[0] and "opt.accumulate()" in msgs[0], msgs
+    assert ours[0].filename == __file__  # it points at the caller's opt.step(), not into torch
     h = next(iter(opt._handles.values()))
     assert int(opt.state[h.param]["step"]) == 1 + 1 + 1 + 4  # the warning does not change what ran
 

@@ -251,8 +251,9 @@ def test_fused_weight_used_outside_its_module_is_refused():
 def test_exclude_pattern_that_matches_no_linear_warns():
     """A typo in exclude= (e.g. 'heads') would fuse the module meant to be left out: warned, naming it."""
     model, _ = twin()
-    with pytest.warns(UserWarning, match="exclude pattern 'heads' matches no nn.Linear"):
+    with pytest.warns(UserWarning, match="exclude pattern 'heads' matches no nn.Linear") as record:
         opt = forge_optim.AdamW(model, lr=1e-2, exclude=["heads", "he*"])
+    assert record[0].filename == __file__  # the line that made the optimizer
     assert set(opt.fused_modules()) == {"up", "down"}  # the pattern that matched still excluded 'head'
 
 

@@ -65,9 +65,8 @@ def refuse_graph_capture(what: str) -> None:
             f"forge_optim: {what} inside a CUDA graph capture (torch.cuda.graph, or a CUDA-graph mode of "
             "torch.compile that captured forge_optim's code). The update's learning rate, bias corrections "
             "and random-rounding keys are host values that a replay would repeat unchanged, so each replay "
-            "would re-apply this step's update. Capture only code without FORGE updates: torch.compile(model) "
-            "(default mode) works, and mode='reduce-overhead' keeps forge_optim's ops out of its graphs on "
-            "torch builds with graph partitioning (TORCHINDUCTOR_GRAPH_PARTITION=1); call opt.step() "
+            "would re-apply this step's update. Capture only code without FORGE updates: torch.compile(model), "
+            "also with mode='reduce-overhead', keeps forge_optim's ops out of its CUDA graphs; call opt.step() "
             "outside any captured region")
 
 
@@ -386,7 +385,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for key, value in state.items():
             # model.to(device) after the first step moves the weights, not the states: the kernel would
             # be handed pointers of the old device
-            if key != "step" and key not in self.rule.scalar_states and dtensor.local(value).device != lp.device:
+            if (key != "step" and key not in self.rule.scalar_states and torch.is_tensor(value)
+                    and dtensor.local(value).device != lp.device):
                 raise RuntimeError(
                     f"forge_optim: optimizer state {key!r} of '{self._name_of(p)}' is on "
                     f"{dtensor.local(value).device}, the parameter on {lp.device}: the model was moved after "
@@ -497,7 +497,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             f"{type(self).__name__}.step(): each backward through a fused layer applies a full optimizer step "
             "to it. If these backward passes were micro-batches of one step (gradient accumulation), run them "
             "inside `with opt.accumulate():` (the first backward outside it, or opt.step(), applies the summed "
-            "gradient once). Shown once per optimizer.", UserWarning, stacklevel=3)
+            "gradient once). Shown once per optimizer.", UserWarning, stacklevel=patch.user_stacklevel())
 
     @staticmethod
     def _raise_after_backward(name: str, count: int) -> None:

@@ -7,6 +7,8 @@ state_dict keys, hooks and ``isinstance`` are unchanged); un-fusing swaps it bac
 from __future__ import annotations
 
 import fnmatch
+import os
+import sys
 import warnings
 from collections import defaultdict
 
@@ -108,6 +110,19 @@ def param_owners(model: nn.Module) -> dict[int, set[int]]:
     return owners
 
 
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)) + os.sep,  # this package
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel that names the first caller outside forge_optim and torch (torch wraps
+    Optimizer.step in two decorators, so a fixed level would point into torch)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dict]:
     """Returns ({name: linear to fuse}, {name: reason it is not fused}) for every nn.Linear."""
     owners = param_owners(model)
@@ -142,7 +157,7 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
             # most likely a typo, and then the module meant to be excluded is fused
             warnings.warn(f"forge_optim: exclude pattern {pat!r} matches no nn.Linear of the model (patterns are "
                           f"fnmatch patterns on full module names, e.g. {linears[-1] if linears else 'lm_head'!r} "
-                          "or '*.mlp.*'); nothing was excluded by it", UserWarning, stacklevel=4)
+                          "or '*.mlp.*'); nothing was excluded by it", UserWarning, stacklevel=user_stacklevel())
     return fuse, skip
 
 
