@@ -118,3 +118,30 @@ def test_three_d_and_non_contiguous_inputs():
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
         torch.testing.assert_close(xa.grad, xb.grad)
     assert rel_diff(lin, ref) <= TOL
+
+
+def _trainer_run(model, optimizers, out_dir, steps=3):
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, 64, (12,), generator=g)} for _ in range(8)]
+    for d in data:
+        d["labels"] = d["input_ids"].clone()
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=2, max_grad_norm=0,
+        gradient_accumulation_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers).train()
+
+
+def test_hf_trainer_with_the_readme_recipe(tmp_path):
+    """README's Trainer recipe (optimizers=(opt, scheduler), max_grad_norm=0, no Trainer accumulation,
+    sparse_embeddings=False because the Trainer takes the norm of every gradient for its log) trains
+    to what the same Trainer does with torch.optim.AdamW, to fp32 round-off."""
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01, sparse_embeddings=False)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    for m, o, d in ((model, opt, "forge"), (ref_model, ref, "torch")):
+        _trainer_run(m, (o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 - s / 10)), tmp_path / d)
+    h = opt._handles["model.layers.0.mlp.up_proj"]
+    assert int(opt.state[h.param]["step"]) == 3
+    assert rel_diff(model, ref_model) <= 1e-5
+
