@@ -55,19 +55,18 @@ def _copy_rows_back(dst: list, flat: torch.Tensor) -> None:
     torch._foreach_copy_(dst, [p if d.dim() == 1 else p.view(d.shape) for d, p in zip(dst, pieces)])
 
 
-def refuse_graph_capture(what: str) -> None:
-    """Raise, before anything is written, if the current CUDA stream is capturing a graph. The update's
-    learning rate, bias corrections and stochastic-rounding keys are host scalars baked into the
-    launch: every replay of the graph would apply this step's update again, silently. Call only where
-    CUDA is present (a CPU-only torch raises on the query)."""
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"forge_optim: {what} inside a CUDA graph capture (torch.cuda.graph, or a CUDA-graph mode of "
-            "torch.compile that captured forge_optim's code). The update's learning rate, bias corrections "
-            "and random-rounding keys are host values that a replay would repeat unchanged, so each replay "
-            "would re-apply this step's update. Capture only code without FORGE updates: torch.compile(model), "
-            "also with mode='reduce-overhead', keeps forge_optim's ops out of its CUDA graphs; call opt.step() "
-            "outside any captured region")
+def graph_capture_error(what: str) -> RuntimeError:
+    """The error for an update inside a CUDA graph capture (callers test
+    ``torch.cuda.is_current_stream_capturing()``, only where CUDA is present: a CPU-only torch raises on
+    the query). The update's learning rate, bias corrections and stochastic-rounding keys are host
+    scalars baked into the launch: every replay of the graph would apply this step's update again."""
+    return RuntimeError(
+        f"forge_optim: {what} inside a CUDA graph capture (torch.cuda.graph, or a CUDA-graph mode of "
+        "torch.compile that captured forge_optim's code). The update's learning rate, bias corrections "
+        "and random-rounding keys are host values that a replay would repeat unchanged, so each replay "
+        "would re-apply this step's update. Capture only code without FORGE updates: torch.compile(model), "
+        "also with mode='reduce-overhead', keeps forge_optim's ops out of its CUDA graphs; call opt.step() "
+        "outside any captured region")
 
 
 class FusedWeight:
@@ -136,8 +135,8 @@ class FusedWeight:
         if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
             with torch.no_grad():
                 return self.consume(dy, x, use)
-        if dy.is_cuda:  # a CPU-only process has no stream to capture (and ~1 us less here)
-            refuse_graph_capture(f"the fused weight '{self.name}.weight' is being updated")
+        if dy.is_cuda and torch.cuda.is_current_stream_capturing():  # (a CPU-only torch raises on the query)
+            raise graph_capture_error(f"the fused weight '{self.name}.weight' is being updated")
         if use is not None and not use.done:
             use.done = True
             self.release(use.kind)
@@ -365,7 +364,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             # checked at construction too; a model cast afterwards (model.half()) would otherwise reach
             # the kernel, which stores fp32 or bf16 words: a wrong-width write into the weight's storage
             raise RuntimeError(
-                f"forge_optim: parameter '{self._name_of(p)}' is {p.dtype} now (the model was cast after the optimizer "
+                f"forge_optim: parameter '{self._param_names.get(id(p), '?')}' is {p.dtype} now (the model was cast after the optimizer "
                 "was created); forge_optim updates float32 and bfloat16 weights only. Cast it back "
                 "(model.to(torch.bfloat16) or model.float()), or create the optimizer after casting to one "
                 "of those")
@@ -388,16 +387,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if (key != "step" and key not in self.rule.scalar_states and torch.is_tensor(value)
                     and dtensor.local(value).device != lp.device):
                 raise RuntimeError(
-                    f"forge_optim: optimizer state {key!r} of '{self._name_of(p)}' is on "
+                    f"forge_optim: optimizer state {key!r} of '{self._param_names.get(id(p), '?')}' is on "
                     f"{dtensor.local(value).device}, the parameter on {lp.device}: the model was moved after "
                     "the optimizer's first step. Create the optimizer after moving the model, or move the states "
                     "with it: opt.load_state_dict(opt.state_dict()) after the move")
         return state
-
-    def _name_of(self, p: torch.Tensor) -> str:
-        """The parameter's name in the model, for error messages."""
-        h = self._fused_ids.get(id(p))
-        return f"{h.name}.weight" if h else self._param_names.get(id(p), "?")
 
     @classmethod
     def _set_state_constant(cls, p, state: dict, spec, value: float, mode: str) -> None:
@@ -535,8 +529,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Step the parameters that were not fused; fused weights were updated during backward."""
-        if torch.cuda.is_available():
-            refuse_graph_capture(f"{type(self).__name__}.step() is running")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise graph_capture_error(f"{type(self).__name__}.step() is running")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -682,21 +676,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         new_state = defaultdict(dict)
         for k, saved in state_dict["state"].items():
             p = id_map[k]
-            self._check_saved_shapes(p, group_of[id(p)], saved)
             new_state[p] = self._import_state(p, group_of[id(p)], saved)
         self.param_groups = new_groups
         self.state = new_state
-
-    def _check_saved_shapes(self, p, group: dict, saved: dict) -> None:
-        """A saved element-wise state must have its parameter's shape: one of another shape but the same
-        size would otherwise be reshaped into this parameter's layout, silently scrambled."""
-        for spec in self.rule.state_specs(group):
-            value = saved.get(spec.name)
-            if value is not None and tuple(value.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"loaded state dict: state {spec.name!r} of parameter '{self._name_of(p)}' has shape {tuple(value.shape)}, "
-                    f"the parameter has {tuple(p.shape)}. The checkpoint comes from another model, or its "
-                    "parameters were listed in another order; nothing was loaded")
 
     def _import_state(self, p, group, saved: dict) -> dict:
         state: dict = {}
@@ -709,6 +691,12 @@ class ForgeOptimizer(torch.optim.Optimizer):
             value = saved.get(spec.name)
             if value is None:
                 continue
+            if tuple(value.shape) != tuple(p.shape):
+                # one of another shape but the same size would be reshaped into this layout, scrambled
+                raise ValueError(
+                    f"loaded state dict: state {spec.name!r} of parameter '{self._param_names.get(id(p), '?')}' "
+                    f"has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}. The checkpoint comes "
+                    "from another model, or its parameters were listed in another order; nothing was loaded")
             q, scale = saved.get(spec.name + "_q"), saved.get(spec.name + "_scale")
             quantized = None
             if (mode == "int8" and q is not None and scale is not None and q.shape == p.shape

@@ -128,15 +128,19 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
     owners = param_owners(model)
     patterns = [exclude] if isinstance(exclude, str) else list(exclude or ())
     fuse, skip = {}, {}
+    matched, example = set(), "lm_head"  # patterns that name at least one nn.Linear; a name, for the warning
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
+        hits = [pat for pat in patterns if fnmatch.fnmatchcase(name, pat)]
+        matched.update(hits)
+        example = name
         if type(mod) not in (nn.Linear, ForgeLinear):
             skip[name] = f"{type(mod).__name__} is a subclass of nn.Linear with its own forward"
         elif isinstance(mod, ForgeLinear) and mod._forge_handle is not None:
             raise ValueError(f"module '{name}' is already fused by another forge_optim optimizer; "
                              "call that optimizer's unpatch() first")
-        elif any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+        elif hits:
             skip[name] = "excluded by the exclude= patterns"
         elif not mod.weight.requires_grad:
             skip[name] = "frozen (weight.requires_grad is False)"
@@ -151,12 +155,11 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
             skip[name] = why
         else:
             fuse[name] = mod
-    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     for pat in patterns:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in linears):
+        if pat not in matched:
             # most likely a typo, and then the module meant to be excluded is fused
             warnings.warn(f"forge_optim: exclude pattern {pat!r} matches no nn.Linear of the model (patterns are "
-                          f"fnmatch patterns on full module names, e.g. {linears[-1] if linears else 'lm_head'!r} "
+                          f"fnmatch patterns on full module names, e.g. {example!r} "
                           "or '*.mlp.*'); nothing was excluded by it", UserWarning, stacklevel=user_stacklevel())
     return fuse, skip
 
