@@ -1,6 +1,6 @@
 """Where a training step's wall time goes, per method: host dispatch vs GPU, phase by phase.
 
-    PYTHONPATH=src python3 benchmarks/profile_step.py --out-dir $OUT/prof [--model Llama-3.1-8B]
+    PYTHONPATH=src python3 benchmarks/profile_step.py --out-dir $OUT/prof [--model Llama-3.1-8B] [--compile]
 
 Issue 5 measured FORGE bf16 at 191.9 ms wall for 106.0 ms of GPU time (Llama-3.1-8B, BS=1,
 SEQ=512), while `none` spends 73.6 ms wall for 51.7 ms GPU. This script answers where the gap is,
@@ -25,6 +25,7 @@ import datetime as dt
 import gc
 import io
 import json
+import os
 import platform
 import pstats
 import sys
@@ -32,7 +33,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+# FORGE_SRC: another checkout's src/ (an A/B of two versions with this script)
+sys.path.insert(0, os.environ.get("FORGE_SRC", str(REPO / "src")))
 
 import torch  # noqa: E402
 
@@ -170,6 +172,8 @@ def main():
     ap.add_argument("--methods", default="none,forge-bf16,torch-fused-adamw")
     ap.add_argument("--out-dir", default="runs/prof")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (tiny model, no launch cost)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model) for every method (default mode)")
+    ap.add_argument("--no-launch-cost", action="store_true", help="skip the launch micro-timing")
     ns = ap.parse_args()
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -177,8 +181,9 @@ def main():
     result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
               "python": platform.python_version(), "command": " ".join(sys.argv), "model": ns.model,
-              "batch_size": ns.batch_size, "seq_len": ns.seq_len, "methods": {}}
-    if ns.device == "cuda":
+              "batch_size": ns.batch_size, "seq_len": ns.seq_len, "layers": ns.layers, "compile": ns.compile,
+              "methods": {}}
+    if ns.device == "cuda" and not ns.no_launch_cost:
         result["launch_cost"] = launch_cost()
         print(json.dumps({k: v for k, v in result["launch_cost"].items() if k != "launch_cprofile"}), flush=True)
     cfgd = config_dict(ns.model, None, ns.layers)
@@ -187,6 +192,7 @@ def main():
         torch.manual_seed(0)
         model = build_model(cfgd, ns.device, torch.bfloat16)
         opt, after, _info = _make_method(m, model, 1e-5, 0.1, ns.device)
+        run = torch.compile(model) if ns.compile else model
         gen = torch.Generator(device=ns.device)
         gen.manual_seed(1)
 
@@ -195,14 +201,14 @@ def main():
                                  generator=gen)
 
         def step(ids):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = run(input_ids=ids, labels=ids).loss
             loss.backward()
             after()
 
         for _ in range(4):
             step(batch())
         _sync()
-        r = {"phases_ms": phases(model, after, batch, 5)}
+        r = {"phases_ms": phases(run, after, batch, 5)}
         py = python_profile(step, batch)
         summary, table = torch_profile(step, batch)
         r.update(summary)

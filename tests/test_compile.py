@@ -72,7 +72,8 @@ def test_alias_follows_the_weight_storage():
 def test_fused_ops_are_kept_out_of_cuda_graphs():
     """Both ops run host code each call (use counts; the step's scalars): tagged so that
     mode="reduce-overhead" never records them into a CUDA graph (tests/test_gpu_end_to_end.py runs it)."""
-    for op in (torch.ops.forge_optim.fused_linear.default, torch.ops.forge_optim.fused_linear_backward.default):
+    for op in (torch.ops.forge_optim.fused_linear.default, torch.ops.forge_optim.linear_counted.default,
+               torch.ops.forge_optim.fused_linear_backward.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 

@@ -160,26 +160,39 @@ def _fused_linear_backward_fake(grad_out, x, weight, weight_alias, handle_id, ne
     return x.new_empty(x.shape) if needs_dx else x.new_empty(0)
 
 
-# The forward op: the same low-level definition, with its own Autograd kernel. custom_op's would wrap
-# every call of the compiled graph (which runs without grad) in four Python frames; this one is one
-# frame plus the implementation's when no gradient is needed, and the autograd.Function below when one
-# is (AOTAutograd's trace, which records the backward op from it).
+# The forward, in two ops. ``fused_linear`` is what a traced model calls: its Autograd kernel (the
+# autograd.Function below) records the backward op. What the compiled forward graph then calls at every
+# step is ``linear_counted``, the op that Function runs below autograd: it has no Autograd kernel, so a
+# call crosses into Python once (count the use, F.linear), where calling ``fused_linear`` itself went
+# through its Python Autograd kernel first (~5 us more per fused linear per step on the host; the
+# compiled forward is host-bound at BS=1).
 _LIB.define("fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor weight_alias, int handle_id) -> Tensor",
             tags=_GRAPH_UNSAFE)
+_LIB.define("linear_counted(Tensor x, Tensor weight, Tensor? bias, int handle_id) -> Tensor", tags=_GRAPH_UNSAFE)
+
+
+def linear_counted_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle_id: int) -> torch.Tensor:
+    _handle(handle_id).count_use()
+    return F.linear(x, weight, bias)
+
+
+_LIB.impl("linear_counted", linear_counted_op, "CompositeExplicitAutograd")
 
 
 def fused_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, weight_alias: torch.Tensor,
                     handle_id: int) -> torch.Tensor:
-    _handle(handle_id).count_use()
-    return F.linear(x, weight, bias)
+    return torch.ops.forge_optim.linear_counted(x, weight, bias, handle_id)
 
 
 _LIB.impl("fused_linear", fused_linear_op, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("forge_optim::fused_linear")
-def _fused_linear_fake(x, weight, bias, weight_alias, handle_id):
+def _linear_fake(x, weight, bias, *rest):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+torch.library.register_fake("forge_optim::fused_linear")(_linear_fake)
+torch.library.register_fake("forge_optim::linear_counted")(_linear_fake)
 
 
 class _TracedLinearGrad(torch.autograd.Function):
@@ -187,8 +200,7 @@ class _TracedLinearGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, weight_alias, handle_id):
-        with torch._C._AutoDispatchBelowAutograd():
-            out = torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)
+        out = torch.ops.forge_optim.linear_counted(x, weight, bias, handle_id)
         ctx.save_for_backward(x, weight, weight_alias)
         ctx.handle_id = handle_id
         ctx.has_bias = bias is not None
@@ -209,8 +221,7 @@ def _fused_linear_autograd(x, weight, bias, weight_alias, handle_id):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return _TracedLinearGrad.apply(x, weight, bias, weight_alias, handle_id)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)
+    return torch.ops.forge_optim.linear_counted(x, weight, bias, handle_id)
 
 
 _LIB.impl("fused_linear", _fused_linear_autograd, "Autograd")
