@@ -201,3 +201,29 @@ def test_kernel_configs_say_which_config_ran_and_where_it_came_from():
     assert got == {repr(k1): {"config": SMALL_BT_CONFIGS[0].short(), "source": "table"},
                    repr(k2): {"config": SMALL_BT_CONFIGS[1].short(), "source": "sub-problem"},
                    repr(k3): {"config": SMALL_BT_CONFIGS[2].short(), "source": "only candidate"}}
+
+
+def test_gpu_activity_keeps_inductor_kernels_and_drops_annotations():
+    """Inductor names a range after each Triton kernel it launches; the kernel must still count as
+    GPU time (a name-based filter dropped every compiled elementwise kernel and torchao's compiled
+    step), while GPU-side user annotations (record_function ranges) must not count twice."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(name, dev, annotation):
+        return SimpleNamespace(name=name, device_type=dev, is_user_annotation=annotation)
+
+    events = [
+        ev("triton_poi_fused_add_0", DeviceType.CPU, True),        # inductor's range around the launch
+        ev("triton_poi_fused_add_0", DeviceType.CUDA, False),      # the kernel itself
+        ev("Optimizer.step#AdamW.step", DeviceType.CPU, True),
+        ev("Optimizer.step#AdamW.step", DeviceType.CUDA, True),    # GPU-side annotation spanning kernels
+        ev("multi_tensor_apply_kernel", DeviceType.CUDA, False),
+        ev("ProfilerStep#1", DeviceType.CUDA, False),
+    ]
+    kept = [e.name for e in bench.gpu_activity(events)]
+    assert kept == ["triton_poi_fused_add_0", "multi_tensor_apply_kernel"]
+    # a torch whose events carry no annotation flag: the name test is all there is
+    old = [SimpleNamespace(name=e.name, device_type=e.device_type, is_user_annotation=None) for e in events]
+    assert [e.name for e in bench.gpu_activity(old)] == ["multi_tensor_apply_kernel"]

@@ -755,12 +755,20 @@ def _kernel_category(name: str) -> str:
 def gpu_activity(events) -> list:
     """The GPU kernels, memcpys and memsets among torch.profiler ``events``. record_function ranges
     (e.g. 'Optimizer.step#AdamW.step') also appear as GPU-side user annotations spanning their
-    kernels: those are left out, or their kernels would be counted twice."""
+    kernels: those are left out, or their kernels would be counted twice.
+
+    Kineto marks those annotations (``is_user_annotation``). Telling them apart by name (a GPU event
+    named like a CPU event) also dropped every Triton kernel that inductor generates: inductor wraps
+    each launch in a range named after the kernel, so compiled runs lost their fused elementwise
+    kernels and a compiled optimizer step (torchao's) vanished entirely. The name test stays only for
+    a torch whose events lack the flag."""
     from torch.autograd import DeviceType
 
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith("ProfilerStep")]
+    if all(getattr(e, "is_user_annotation", None) is not None for e in gpu):
+        return [e for e in gpu if not e.is_user_annotation]
     cpu_names = {e.name for e in events if e.device_type != DeviceType.CUDA}
-    return [e for e in events if e.device_type == DeviceType.CUDA and e.name not in cpu_names
-            and not e.name.startswith("ProfilerStep")]
+    return [e for e in gpu if e.name not in cpu_names]
 
 
 def _profile_gpu(step, batches, n: int) -> dict:
