@@ -76,6 +76,7 @@ class TrainConfig:
     state_dtype: str | None = None  # fp32 | bf16 | int8; None: the weight's dtype
     stochastic_rounding: bool | None = None  # None: forge_optim's default (on for bf16)
     backend: str = "auto"  # auto | torch | triton
+    compile: bool = False  # torch.compile(model) for the training steps (evaluation stays eager)
     # schedule
     steps: int = 300
     warmup_steps: int = 20
@@ -121,6 +122,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    const=False, default=None, help="round-to-nearest for bf16 weights and states")
     g.add_argument("--backend", choices=["auto", "torch", "triton"], default=d.backend,
                    help="forge_optim backend (auto: triton on CUDA, torch otherwise)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model for training steps (FORGE's fused linears are traced as custom ops; "
+                   "evaluation stays eager)")
     g = p.add_argument_group("schedule")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="linear warm-up, then cosine")
@@ -321,6 +325,9 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
     opt = build_optimizer(cfg, model, lr, wd, device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio))
     fused = sorted(opt.fused_modules()) if is_forge else []
+    # compiled after the optimizer patched the model (README, torch.compile); evaluation and sampling run
+    # the eager module under no_grad, so no compiled forward is left without its backward
+    step_model = torch.compile(model) if cfg.compile else model
 
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     cfg.extra.update(device=str(device), lr=lr, weight_decay=wd, out_dir=out_dir, params=n_params,
@@ -346,6 +353,8 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
         if cfg.stochastic_rounding is False:
             opt_desc += ", round-to-nearest"
     print(f"optim  {cfg.optimizer}: {opt_desc}; warm-up {cfg.warmup_steps} + cosine to {cfg.min_lr_ratio:g}x")
+    if cfg.compile:
+        print("compile torch.compile(model) for the training steps (the first step compiles)")
     print(f"batch  {cfg.batch_size} x {cfg.seq_len} tokens x {cfg.grad_accum} micro-steps = "
           f"{tokens_per_step:,} tokens/step, {cfg.steps} steps")
     if is_forge:
@@ -388,7 +397,7 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
             loss_sum = 0.0
             for micro in range(cfg.grad_accum):
                 x, y = fdata.get_batch(ds.train, cfg.batch_size, cfg.seq_len, gen, device)
-                logits = model(input_ids=x).logits
+                logits = step_model(input_ids=x).logits
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1)) / cfg.grad_accum
                 if is_forge and micro < cfg.grad_accum - 1:
                     with opt.accumulate():  # fused layers add into an fp32 buffer, no update yet
