@@ -55,6 +55,7 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["status"] == "ok", r
         assert r["ms_median"] > 0 and len(r["ms_all"]) == 3 and r["ms_iqr"][0] <= r["ms_median"] <= r["ms_iqr"][1]
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0
+        assert r["ms_back_to_back"] > 0  # the same steps with no synchronize between them
         assert r["memory"] == "needs CUDA" and "peak_gib" not in r
         hc = r["host_cpu"]  # where the host's time went during the timed steps (Linux /proc)
         assert hc["wall_s"] > 0 and hc["threads"] and hc["process_cpu_s"] > 0
@@ -64,10 +65,11 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
     assert res["methods"]["flashoptim"]["status"] == "skipped (not installed)"
     assert res["reference"] == "torch-foreach-adamw"
     assert res["methods"]["forge-bf16"]["ratios"]["ms_vs_ref"] > 0
+    assert res["methods"]["forge-bf16"]["ratios"]["b2b_vs_ref"] > 0
     assert any("memory" in n and "CUDA" in n for n in res["notes"])
     assert (out / "bars.png").stat().st_size > 5000
     text = capsys.readouterr().out
-    assert "skipped (not installed)" in text and "forge-bf16" in text and "ms/step" in text
+    assert "skipped (not installed)" in text and "forge-bf16" in text and "ms/step" in text and "b2b ms" in text
 
 
 def test_repeat_reference_reports_the_drift_of_the_run_order(tmp_path, capsys):

@@ -10,7 +10,10 @@ Protocol
   (BF16-everywhere: weights, optimizer states and gradients are bf16 for the baselines).
 - A fresh random token batch every step (drawn before the step's clock starts); ``--warmup``
   un-timed steps, then ``--steps`` timed forward+backward+step iterations, each timed on the wall
-  clock between two ``torch.cuda.synchronize()`` calls. Reported: median and IQR of ms/step.
+  clock between two ``torch.cuda.synchronize()`` calls. Reported: median and IQR of ms/step. Then
+  ``--steps`` more steps back to back with one clock and no synchronize between them (``b2b ms``,
+  the mean): the step time of a loop that does not read the loss every step, where the host's
+  dispatch of one step overlaps the GPU's work on the previous one.
 - GPU time per step: the sum of GPU activity (kernels, memcpy, memset) recorded by torch.profiler
   over ``--profile-steps`` further steps, divided by their number. It does not depend on how fast the
   host dispatches, which bounds the wall step of small models.
@@ -582,6 +585,7 @@ def _add_ratios(results: dict) -> None:
         if ref:
             rr = ms[ref]
             rat["ms_vs_ref"] = _div(r.get("ms_median"), rr.get("ms_median"))
+            rat["b2b_vs_ref"] = _div(r.get("ms_back_to_back"), rr.get("ms_back_to_back"))
             rat["gpu_ms_vs_ref"] = _div(r.get("gpu_ms_per_step"), rr.get("gpu_ms_per_step"))
             rat["peak_vs_ref"] = _div(r.get("peak_gib"), rr.get("peak_gib"))
             if rep:  # against the mean of the reference's first and last runs (order-neutral)
@@ -604,8 +608,8 @@ def _fmt(x, spec=".1f", none="-"):
     return none if x is None else format(x, spec)
 
 
-COLUMNS = ["method", "status", "ms/step", "IQR ms", "GPU ms", "peak GiB", "tok/s", "TFLOP/s",
-           "ms/ref", "ms/none", "GPU/ref", "GiB/ref"]
+COLUMNS = ["method", "status", "ms/step", "IQR ms", "b2b ms", "GPU ms", "peak GiB", "tok/s", "TFLOP/s",
+           "ms/ref", "b2b/ref", "ms/none", "GPU/ref", "GiB/ref"]
 
 
 def _cells(m: str, r: dict) -> list[str]:
@@ -613,13 +617,14 @@ def _cells(m: str, r: dict) -> list[str]:
         st = r.get("status", "?")
         extra = []
         if st == "OOM" and r.get("peak_gib") is not None:
-            extra = ["", "", "", f">{r['peak_gib']:.1f}"]
+            extra = ["", "", "", "", f">{r['peak_gib']:.1f}"]  # under "peak GiB"
         return [m, st] + extra + [""] * (len(COLUMNS) - 2 - len(extra))
     q = r.get("ms_iqr") or [None, None]
     rat = r.get("ratios", {})
-    return [m, "ok", _fmt(r.get("ms_median")), f"{_fmt(q[0])}-{_fmt(q[1])}", _fmt(r.get("gpu_ms_per_step")),
+    return [m, "ok", _fmt(r.get("ms_median")), f"{_fmt(q[0])}-{_fmt(q[1])}", _fmt(r.get("ms_back_to_back")),
+            _fmt(r.get("gpu_ms_per_step")),
             _fmt(r.get("peak_gib"), ".2f"), _fmt(r.get("tokens_per_s"), ".0f"), _fmt(r.get("tflops"), ".1f"),
-            _fmt(rat.get("ms_vs_ref"), ".3f"), _fmt(rat.get("ms_vs_none"), ".3f"),
+            _fmt(rat.get("ms_vs_ref"), ".3f"), _fmt(rat.get("b2b_vs_ref"), ".3f"), _fmt(rat.get("ms_vs_none"), ".3f"),
             _fmt(rat.get("gpu_ms_vs_ref"), ".3f"), _fmt(rat.get("peak_vs_ref"), ".3f")]
 
 
@@ -1042,6 +1047,15 @@ def _worker(ns, m: str, r: dict, save) -> None:
         r["peak_steady_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         r["mem_steady_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
         r["peak_gib"] = max(r["peak_steady_gib"], r["peak_warmup_gib"])  # build + warm-up + timed steps
+    # Back to back: the same number of steps with no synchronize between them, as a training loop that
+    # does not read the loss every step runs: the host may dispatch step i+1's forward while the GPU
+    # still runs step i's backward or optimizer step. Mean ms per step (one clock over all of them).
+    sync()
+    t = time.perf_counter()
+    for _ in range(ns.steps):
+        step(batch())
+    sync()
+    r["ms_back_to_back"] = round((time.perf_counter() - t) * 1e3 / max(1, ns.steps), 3)
     r["status"] = "ok"
     r["phase"] = "profile" if cuda and ns.profile_steps > 0 else "timeline"
     save()  # the timed numbers are safe from here on
