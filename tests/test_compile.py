@@ -118,3 +118,46 @@ def test_compiled_fp16_autocast_training_is_refused_and_releases_its_uses():
     compiled(x).sum().backward()
     opt.step()
     assert all(int(opt.state[h.param]["step"]) == 1 for h in opt._handles.values())
+
+
+def test_compiled_input_gradient_updates_no_weight():
+    """torch.autograd.grad of the loss with respect to the input embeddings through a compiled model: the
+    compiled backward runs FORGE's backward op, which must not step any weight (torch.optim would not);
+    the input gradient equals the eager unfused model's."""
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    cmodel = torch.compile(model)
+    torch._dynamo.reset()
+    ids = hf_batches(1, seed=3)[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = []
+    for m in (cmodel, ref_model):
+        e = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        grads.append(torch.autograd.grad(m(inputs_embeds=e, labels=ids).loss, e)[0])
+    assert torch.allclose(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(opt.state.get(h.param) for h in opt._handles.values())
+
+
+@pytest.mark.slow
+def test_compiled_autograd_updates_inside_backward():
+    """Under compiled autograd the fused update still runs inside backward (not buffered for opt.step()):
+    every fused weight has moved when backward returns, with no gradient buffer."""
+    model = tiny_llama()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    cmodel = torch.compile(model)
+    torch._dynamo.reset()
+    old = torch._dynamo.config.compiled_autograd
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        for ids in hf_batches(2):
+            before = {n: m.weight.detach().clone() for n, m in opt.fused_modules().items()}
+            cmodel(input_ids=ids, labels=ids).loss.backward()
+            for n, m in opt.fused_modules().items():
+                assert not torch.equal(m.weight, before[n]), n
+                assert opt._handles[n].buffer is None, n
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch._dynamo.config.compiled_autograd = old

@@ -462,3 +462,99 @@ def test_sparse_embedding_step_allocates_nothing_table_sized(state_dtype):
         if step > 0:  # (the first step creates the table-sized states themselves)
             biggest = max(n for n, _, _ in rec.sizes)
             assert biggest <= block * dim, sorted(rec.sizes, key=lambda r: r[0])[-5:]
+
+
+# ----- what a backward asks of a fused weight ---------------------------------------------------------
+
+def _states_copy(opt):
+    return {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def _assert_states_equal(opt, saved):
+    assert {id(p) for p in opt.state} == set(saved)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, saved[id(p)][k]) if torch.is_tensor(v) else v == saved[id(p)][k], k
+
+
+@pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=[x])"])
+def test_a_backward_that_asks_only_for_input_gradients_updates_no_weight(how):
+    """torch.autograd.grad(loss, x) (an input gradient: saliency, an adversarial perturbation, a
+    gradient penalty's first pass) or backward(inputs=[x]) does not ask for the weights' gradients:
+    torch.optim would step nothing, so no fused update may run. The input gradient is torch's, and
+    the next training step matches torch.optim (no use is left pending)."""
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="fp32")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref, n=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = _states_copy(opt)
+    idx, tgt = batches(1, seed=5)[0]
+    grads = []
+    for m in (model, ref_model):
+        e = m.emb(idx).detach().requires_grad_(True)  # the input whose gradient is wanted
+        h = e + m.down(torch.tanh(m.norm(m.up(e))))  # TinyNet.forward from the embedding on
+        loss = F.cross_entropy(m.head(h).reshape(-1, m.head.out_features), tgt.reshape(-1))
+        if how == "autograd.grad":
+            grads.append(torch.autograd.grad(loss, e)[0])
+        else:
+            loss.backward(inputs=[e])
+            grads.append(e.grad)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    _assert_states_equal(opt, saved)
+    assert all(h.buffer is None and h.pending_fwd == 0 for h in opt._handles.values())
+    step_both(model, ref_model, opt, ref, n=2)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_autograd_grad_of_a_fused_weight_is_refused_before_writing():
+    """A fused layer never forms its weight's gradient, so autograd.grad cannot return it: refused by
+    name (torch would otherwise hand back None after the weight had been stepped)."""
+    lin = nn.Linear(6, 4)
+    opt = forge_optim.SGD(lin, lr=0.1)
+    x = torch.randn(3, 6, requires_grad=True)
+    w = lin.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"autograd.grad asked for the gradient of the fused weight.*exclude"):
+        torch.autograd.grad(lin(x).pow(2).sum(), [x, lin.weight])
+    assert torch.equal(lin.weight, w) and not opt.state.get(lin.weight)
+
+
+def test_retained_graph_backpropagated_twice_is_one_step_with_the_summed_gradient():
+    """retain_graph=True: the graph may be backpropagated again, and each pass needs the old weight.
+    Two losses backpropagated through one graph are one optimizer step with their summed gradient
+    (torch.optim's result); a retained graph backpropagated once is stepped by opt.step()."""
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="fp32")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    for batch in batches(3, seed=7):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss = loss_fn(m, batch)
+            loss.backward(retain_graph=True)
+            (0.5 * loss).backward()
+            o.step()
+            o.zero_grad()
+    assert rel_diff(model, ref_model) <= TOL
+    for batch in batches(2, seed=8):
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_fn(m, batch).backward(retain_graph=True)
+            o.step()
+            o.zero_grad()
+    assert rel_diff(model, ref_model) <= TOL
+    assert all(h.buffer is None for h in opt._handles.values())
+
+
+def test_weight_frozen_after_the_optimizer_is_not_stepped():
+    """requires_grad_(False) on a fused weight after the optimizer exists: torch.optim would not step
+    it (no gradient), so neither does FORGE (the layer runs as a plain linear; a weight frozen between
+    forward and backward is skipped in backward); the rest trains as before."""
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="fp32")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    step_both(model, ref_model, opt, ref, n=1)
+    for m in (model, ref_model):
+        m.up.weight.requires_grad_(False)
+    frozen = model.up.weight.detach().clone()
+    step_both(model, ref_model, opt, ref, n=2)
+    assert torch.equal(model.up.weight, frozen)
+    assert rel_diff(model, ref_model) <= TOL

@@ -69,6 +69,10 @@ def graph_capture_error(what: str) -> RuntimeError:
         "outside any captured region")
 
 
+# What a backward asks of a fused weight (FusedWeight.asked)
+UPDATE, SKIP, RETAINED = 0, 1, 2
+
+
 class FusedWeight:
     """Links one fused weight to its optimizer: counts pending uses, buffers, updates."""
 
@@ -84,6 +88,7 @@ class FusedWeight:
         self.updates = 0  # fused updates applied since the last opt.step()
         self.attached = True
         self.fast: _FastPath | None = None  # the prepared launch of the last update (optimizer-owned)
+        self.grad_node = None  # the weight's AccumulateGrad node, to ask a backward what it wants of it
         self.id = register_handle(self)  # how the compiled form's custom ops find this handle
 
     # A copied or pickled model carries no link to this optimizer: its module runs unfused.
@@ -130,6 +135,39 @@ class FusedWeight:
         elif kind == "rec":
             self.pending_rec = max(0, self.pending_rec - 1)
 
+    def asked(self) -> int:
+        """What the running backward asks of this weight (one of ``UPDATE``, ``SKIP``, ``RETAINED``).
+
+        SKIP: the backward does not want this weight's gradient (``torch.autograd.grad(loss, x)`` or
+        ``backward(inputs=[...])`` for other tensors, as for an input gradient or an adversarial
+        perturbation; or the weight was frozen with ``requires_grad_(False)``): torch.optim would not
+        step it, so the fused update must not run either. RETAINED: ``retain_graph=True``, the graph
+        may be backpropagated again and every pass must see the old weight, so the gradient is summed
+        into the fp32 buffer and applied by the last pass or by ``opt.step()``."""
+        p = self.param
+        if not p.requires_grad:
+            return SKIP
+        if torch._C._current_graph_task_id() == -1:
+            return UPDATE  # no backward graph task is visible to ask (a direct call)
+        try:
+            # The cached node answers the usual case in one call. It goes stale when autograd replaces
+            # the weight's accumulator (p.data of another dtype, as model.half() does): then the answer
+            # is False (not in this graph), so a False is asked again of the current node (~3 us)
+            node = self.grad_node
+            if node is None or not torch._C._will_engine_execute_node(node):
+                node = self.grad_node = torch.autograd.graph.get_gradient_edge(p).node
+                if not torch._C._will_engine_execute_node(node):
+                    return SKIP
+        except RuntimeError as e:
+            if "autograd.grad" not in str(e):
+                raise
+            raise RuntimeError(
+                f"forge_optim: torch.autograd.grad asked for the gradient of the fused weight '{self.name}.weight'. "
+                "A fused layer never forms that gradient (its backward updates the weight in place). Leave the "
+                "weight out of the inputs, or exclude the module (exclude=[...]) or unpatch the model to get it "
+                "as a tensor") from None
+        return RETAINED if torch._C._autograd._get_current_graph_task_keep_graph() else UPDATE
+
     def consume(self, dy: torch.Tensor, x: torch.Tensor, use: Use | None) -> None:
         """Called from backward with this use's dY [..., Dout] and X [..., Din] (DTensors under TP)."""
         if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad
@@ -137,9 +175,12 @@ class FusedWeight:
                 return self.consume(dy, x, use)
         if dy.is_cuda and torch.cuda.is_current_stream_capturing():  # (a CPU-only torch raises on the query)
             raise graph_capture_error(f"the fused weight '{self.name}.weight' is being updated")
+        asked = self.asked()
         if use is not None and not use.done:
             use.done = True
             self.release(use.kind)
+        if asked == SKIP:
+            return
         opt = self.optimizer
         if not self.attached:
             raise RuntimeError(f"'{self.name}' was unpatched while a forward through it was pending")
@@ -148,9 +189,10 @@ class FusedWeight:
             dy = dy.reshape(-1, dy.shape[-1])
         if x.dim() != 2:
             x = x.reshape(-1, x.shape[-1])
-        if opt._accumulating or self.pending_fwd or self.pending_rec or self.pending_traced:
-            # Another use of this weight still needs the old W, or we are inside accumulate():
-            # add this gradient to the fp32 buffer and update after the last use.
+        if opt._accumulating or asked == RETAINED or self.pending_fwd or self.pending_rec or self.pending_traced:
+            # Another use of this weight still needs the old W, or we are inside accumulate(), or the
+            # graph is retained for another backward: add this gradient to the fp32 buffer and update
+            # after the last use (or in opt.step()).
             if self.buffer is None:
                 w = dtensor.local(self.param)
                 self.buffer = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
