@@ -231,3 +231,40 @@ def test_no_weight_sized_gradient_on_gpu():
     grad_bytes = lin.weight.numel() * 2  # a bf16 gradient would be 64 MiB
     assert extra < grad_bytes / 2, (extra, grad_bytes)
     assert lin.weight.grad is None and int(opt.state[lin.weight]["step"]) == 2
+
+
+def test_input_gradient_and_retained_graph_on_gpu():
+    """The Triton path of FusedWeight.asked(): an input gradient (torch.autograd.grad w.r.t. the input
+    embeddings) steps no weight and no state, eager and compiled; a retained graph backpropagated twice
+    is one step with the summed gradient (the kernel's accumulate mode into the fp32 buffer, then the
+    buffered update): SGD, linear in the gradient, against torch.optim.SGD on the kernel's gradient of
+    the equivalent single pass (1.5x the loss), to fp32 round-off."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = llama(attn="eager")
+    model = copy.deepcopy(base)
+    opt = forge_optim.AdamW(model, lr=1e-3, weight_decay=0.01)
+    ids = data(1)[0]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for m in (model, torch.compile(model)):
+        e = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        g = torch.autograd.grad(m(inputs_embeds=e, labels=ids).loss, e)[0]
+        assert torch.isfinite(g).all() and g.abs().sum() > 0
+    torch.cuda.synchronize()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(opt.state.get(h.param) for h in opt._handles.values())
+
+    model, ref_model = copy.deepcopy(base), copy.deepcopy(base)
+    opt = forge_optim.SGD(model, lr=1e-2)
+    ref = torch.optim.SGD(ref_model.parameters(), lr=1e-2)
+    overwrite = kernel_gradients(ref_model)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    (0.5 * loss).backward()
+    opt.step()
+    (1.5 * ref_model(input_ids=ids, labels=ids).loss).backward()
+    overwrite()
+    ref.step()
+    assert all(h.buffer is None for h in opt._handles.values())
+    gap = rel_diff(model, ref_model)
+    print(f"retained graph, two passes, vs torch.optim.SGD on the summed gradient: {gap:.2e}")
+    assert gap <= 1e-6, gap
