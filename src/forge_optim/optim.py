@@ -86,6 +86,7 @@ class FusedWeight:
         self.pending_traced = 0  # uses by the compiled form (no Use object: reset by opt.step())
         self.buffer: torch.Tensor | None = None  # fp32 gradient summed over uses / micro-steps
         self.updates = 0  # fused updates applied since the last opt.step()
+        self.retained = False  # the buffer holds a retain_graph pass's gradient
         self.attached = True
         self.fast: _FastPath | None = None  # the prepared launch of the last update (optimizer-owned)
         self.grad_node = None  # the weight's AccumulateGrad node, to ask a backward what it wants of it
@@ -197,7 +198,9 @@ class FusedWeight:
                 w = dtensor.local(self.param)
                 self.buffer = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
             opt._backend_for(self.param).accumulate(self.buffer, dy, x)
+            self.retained = self.retained or asked == RETAINED
             return
+        self.retained = False
         opt._fused_update(self, dy, x)
 
 
@@ -281,6 +284,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.seed = int(seed)
         self._accumulating = 0
         self._warned_repeat = False  # the "several updates per opt.step()" warning is shown once
+        self._warned_retained = False  # the "retain_graph=True cost a buffer" warning is shown once
         self._backends: dict[Any, Any] = {}
         self._model_ref = weakref.ref(model)
 
@@ -535,6 +539,17 @@ class ForgeOptimizer(torch.optim.Optimizer):
             "inside `with opt.accumulate():` (the first backward outside it, or opt.step(), applies the summed "
             "gradient once). Shown once per optimizer.", UserWarning, stacklevel=patch.user_stacklevel())
 
+    def _warn_retained(self, h: FusedWeight) -> None:
+        """A graph backpropagated with retain_graph=True and not again: its gradients waited in fp32
+        buffers (4 bytes per weight element) for this step, where one plain backward needs none."""
+        self._warned_retained = True
+        warnings.warn(
+            f"forge_optim: '{h.name}.weight' was backpropagated with retain_graph=True and not backpropagated "
+            "through that graph again, so its gradient waited in an fp32 buffer of the weight's size until "
+            f"{type(self).__name__}.step() (a retained graph may be backpropagated again, and every pass needs the "
+            "old weight). The step is exact; drop retain_graph=True where one backward follows to save that "
+            "memory. Shown once per optimizer.", UserWarning, stacklevel=patch.user_stacklevel())
+
     @staticmethod
     def _raise_after_backward(name: str, count: int) -> None:
         def _raise():
@@ -591,6 +606,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     if h.updates > 1 and not self._warned_repeat:
                         self._warn_repeated_updates(h)
                     h.updates = 0
+                    if h.retained and not self._warned_retained:
+                        self._warn_retained(h)
+                    h.retained = False
                     if h.buffer is not None and not self._accumulating:
                         # accumulate() was used for every micro-step: apply the summed gradient now.
                         buf, h.buffer = h.buffer, None
