@@ -544,7 +544,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         buffers (4 bytes per weight element) for this step, where one plain backward needs none."""
         self._warned_retained = True
         warnings.warn(
-            f"forge_optim: '{h.name}.weight' was backpropagated with retain_graph=True and not backpropagated "
+            f"forge_optim: '{h.name}.weight' was backpropagated with retain_graph=True (or create_graph=True) and not backpropagated "
             "through that graph again, so its gradient waited in an fp32 buffer of the weight's size until "
             f"{type(self).__name__}.step() (a retained graph may be backpropagated again, and every pass needs the "
             "old weight). The step is exact; drop retain_graph=True where one backward follows to save that "
