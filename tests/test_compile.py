@@ -161,3 +161,28 @@ def test_compiled_autograd_updates_inside_backward():
             opt.zero_grad()
     finally:
         torch._dynamo.config.compiled_autograd = old
+
+
+def test_compiled_retained_graph_backpropagated_twice_is_one_step(monkeypatch):
+    """retain_graph=True through a compiled model: the backward op buffers the first pass's gradient,
+    the second pass applies the sum; the same as torch.optim.AdamW on the compiled reference. (torch
+    itself refuses retain_graph on a compiled backward with donated buffers, for any optimizer: its
+    error names the switch set here.)"""
+    import torch._functorch.config as functorch_config
+
+    monkeypatch.setattr(functorch_config, "donated_buffer", False)
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    cmodel, cref = torch.compile(model), torch.compile(ref_model)
+    torch._dynamo.reset()
+    for ids in hf_batches(2):
+        for m, o in ((cmodel, opt), (cref, ref)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward(retain_graph=True)
+            (0.5 * loss).backward()
+            o.step()
+            o.zero_grad()
+    assert rel_diff(model, ref_model) <= TOL
+    assert all(h.buffer is None and h.pending_traced == 0 for h in opt._handles.values())
