@@ -13,13 +13,19 @@ from test_hf import hf_batches, tiny_llama  # noqa: E402
 TOL = 1e-5
 
 
-def _train_pair(compiled_autograd=False, steps=5):
+def _compiled_pair():
+    """One tiny Llama twice: FORGE AdamW and torch.optim.AdamW, each model compiled."""
     model = tiny_llama()
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
     cmodel, cref = torch.compile(model), torch.compile(ref_model)
     torch._dynamo.reset()
+    return model, ref_model, opt, ref, cmodel, cref
+
+
+def _train_pair(compiled_autograd=False, steps=5):
+    model, ref_model, opt, ref, cmodel, cref = _compiled_pair()
     old = torch._dynamo.config.compiled_autograd
     torch._dynamo.config.compiled_autograd = compiled_autograd
     try:
@@ -165,18 +171,18 @@ def test_compiled_autograd_updates_inside_backward():
 
 def test_compiled_retained_graph_backpropagated_twice_is_one_step(monkeypatch):
     """retain_graph=True through a compiled model: the backward op buffers the first pass's gradient,
-    the second pass applies the sum; the same as torch.optim.AdamW on the compiled reference. (torch
-    itself refuses retain_graph on a compiled backward with donated buffers, for any optimizer: its
-    error names the switch set here.)"""
+    the second pass applies the sum; the same as torch.optim.AdamW on the compiled reference. Two torch
+    switches, for any optimizer: torch refuses retain_graph on a compiled backward with donated buffers
+    (its error names donated_buffer), and its compile caches do not key on that switch, so a backward
+    cached with donated buffers by an earlier compile (another test, another process) hands the second
+    pass corrupted saved tensors silently (seen with torch 2.13: compiled FORGE and compiled torch.optim
+    agreed, both 0.5 off eager torch.optim); hence no caches here."""
     import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(functorch_config, "donated_buffer", False)
-    model = tiny_llama()
-    ref_model = copy.deepcopy(model)
-    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    cmodel, cref = torch.compile(model), torch.compile(ref_model)
-    torch._dynamo.reset()
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    model, ref_model, opt, ref, cmodel, cref = _compiled_pair()
     for ids in hf_batches(2):
         for m, o in ((cmodel, opt), (cref, ref)):
             loss = m(input_ids=ids, labels=ids).loss
