@@ -515,9 +515,14 @@ def test_autograd_grad_of_a_fused_weight_is_refused_before_writing():
     opt = forge_optim.SGD(lin, lr=0.1)
     x = torch.randn(3, 6, requires_grad=True)
     w = lin.weight.detach().clone()
+    out = lin(x)
     with pytest.raises(RuntimeError, match=r"autograd.grad asked for the gradient of the fused weight.*exclude"):
-        torch.autograd.grad(lin(x).pow(2).sum(), [x, lin.weight])
+        torch.autograd.grad(out.pow(2).sum(), [x, lin.weight])
     assert torch.equal(lin.weight, w) and not opt.state.get(lin.weight)
+    h = opt._handles[""]
+    assert h.pending_fwd == 0  # the refused pass released its use: the next backward updates
+    lin(x).pow(2).sum().backward()
+    assert not torch.equal(lin.weight, w)
 
 
 def test_retained_graph_backpropagated_twice_is_one_step_with_the_summed_gradient():

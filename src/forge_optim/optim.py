@@ -176,10 +176,10 @@ class FusedWeight:
                 return self.consume(dy, x, use)
         if dy.is_cuda and torch.cuda.is_current_stream_capturing():  # (a CPU-only torch raises on the query)
             raise graph_capture_error(f"the fused weight '{self.name}.weight' is being updated")
-        asked = self.asked()
         if use is not None and not use.done:
             use.done = True
             self.release(use.kind)
+        asked = self.asked()
         if asked == SKIP:
             return
         opt = self.optimizer
