@@ -90,3 +90,16 @@ def adam_bound(noise: float, tol: float = 1e-5, factor: float = 4.0) -> float:
     and ``factor`` times that torch-vs-torch gap (``noise``), measured on the same model and data.
     """
     return max(tol, factor * noise)
+
+
+def states_snapshot(opt) -> dict:
+    """A copy of every optimizer state, to check later that a refused call changed none of them."""
+    return {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def assert_states_unchanged(opt, saved: dict) -> None:
+    """The same parameters have states as in ``saved`` (``states_snapshot``), each equal to the copy."""
+    assert {id(p) for p in opt.state} == set(saved)
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert torch.equal(v, saved[id(p)][k]) if torch.is_tensor(v) else v == saved[id(p)][k], k

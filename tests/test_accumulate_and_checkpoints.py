@@ -7,7 +7,7 @@ import torch
 
 import forge_optim
 from forge_optim.optim import _as_2d
-from helpers import batches, loss_fn, rel_diff, twin
+from helpers import assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, twin
 
 TOL = 1e-5
 
@@ -179,7 +179,7 @@ def test_load_of_another_models_states_is_refused_and_changes_nothing():
     _, src = build([8, 4, 8])  # weights [4, 8] and [8, 4]
     model, opt = build([4, 8, 4])  # weights [8, 4] and [4, 8]: the same sizes, transposed
     groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
-    saved = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    saved = states_snapshot(opt)
     sd = src.state_dict()
     sd["param_groups"][0]["lr"] = 0.5  # would be loaded first if groups were replaced before states
     # (the fused weights' states were made in backward order: the last layer's is checked first)
@@ -187,5 +187,4 @@ def test_load_of_another_models_states_is_refused_and_changes_nothing():
                                          r"the parameter has \(4, 8\).*nothing was loaded"):
         opt.load_state_dict(sd)
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
-    for p, st in opt.state.items():
-        assert all(torch.equal(v, saved[id(p)][k]) for k, v in st.items())
+    assert_states_unchanged(opt, saved)

@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import forge_optim
+from helpers import assert_states_unchanged, states_snapshot
 
 
 def test_model_must_come_first():
@@ -77,11 +78,11 @@ def test_model_cast_to_fp16_after_the_optimizer_is_refused_before_writing():
     opt.step()
     model.half()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    states = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    states = states_snapshot(opt)
     with pytest.raises(RuntimeError, match=r"'1.weight' is torch.float16 now.*model.to\(torch.bfloat16\)"):
         model(x.half()).float().sum().backward()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(torch.equal(v, states[id(p)][k]) for p, st in opt.state.items() for k, v in st.items())
+    assert_states_unchanged(opt, states)
 
 
 def test_states_left_on_another_device_are_refused_before_writing():

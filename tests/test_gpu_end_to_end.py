@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import forge_optim
-from helpers import rel_diff
+from helpers import assert_states_unchanged, rel_diff, states_snapshot
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -194,12 +194,12 @@ def test_model_cast_to_fp16_after_the_optimizer_is_refused_on_gpu():
     train(model, opt, [ids])
     model.half()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    states = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    states = states_snapshot(opt)
     with pytest.raises(RuntimeError, match="is torch.float16 now"):
         model(input_ids=ids, labels=ids).loss.backward()
     torch.cuda.synchronize()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(torch.equal(v, states[id(p)][k]) for p, st in opt.state.items() for k, v in st.items())
+    assert_states_unchanged(opt, states)
 
 
 def test_bf16_model_bf16_and_int8_state_train():

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import forge_optim
-from helpers import TinyNet, batches, loss_fn, rel_diff, twin
+from helpers import TinyNet, assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, twin
 
 TOL = 1e-5
 
@@ -466,17 +466,6 @@ def test_sparse_embedding_step_allocates_nothing_table_sized(state_dtype):
 
 # ----- what a backward asks of a fused weight ---------------------------------------------------------
 
-def _states_copy(opt):
-    return {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
-
-
-def _assert_states_equal(opt, saved):
-    assert {id(p) for p in opt.state} == set(saved)
-    for p, st in opt.state.items():
-        for k, v in st.items():
-            assert torch.equal(v, saved[id(p)][k]) if torch.is_tensor(v) else v == saved[id(p)][k], k
-
-
 @pytest.mark.parametrize("how", ["autograd.grad", "backward(inputs=[x])"])
 def test_a_backward_that_asks_only_for_input_gradients_updates_no_weight(how):
     """torch.autograd.grad(loss, x) (an input gradient: saliency, an adversarial perturbation, a
@@ -488,7 +477,7 @@ def test_a_backward_that_asks_only_for_input_gradients_updates_no_weight(how):
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
     step_both(model, ref_model, opt, ref, n=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    saved = _states_copy(opt)
+    saved = states_snapshot(opt)
     idx, tgt = batches(1, seed=5)[0]
     grads = []
     for m in (model, ref_model):
@@ -502,7 +491,7 @@ def test_a_backward_that_asks_only_for_input_gradients_updates_no_weight(how):
             grads.append(e.grad)
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    _assert_states_equal(opt, saved)
+    assert_states_unchanged(opt, saved)
     assert all(h.buffer is None and h.pending_fwd == 0 for h in opt._handles.values())
     step_both(model, ref_model, opt, ref, n=2)
     assert rel_diff(model, ref_model) <= TOL
