@@ -78,8 +78,9 @@ def test_alias_follows_the_weight_storage():
 def test_fused_ops_are_kept_out_of_cuda_graphs():
     """Both ops run host code each call (use counts; the step's scalars): tagged so that
     mode="reduce-overhead" never records them into a CUDA graph (tests/test_gpu_end_to_end.py runs it)."""
-    for op in (torch.ops.forge_optim.fused_linear.default, torch.ops.forge_optim.linear_counted.default,
-               torch.ops.forge_optim.fused_linear_backward.default):
+    ops = torch.ops.forge_optim
+    for op in (ops.fused_linear.default, ops.linear_counted.default, ops.fused_linear_backward.default,
+               ops.fused_linear_update.default, ops.count_uses.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 
@@ -192,3 +193,125 @@ def test_compiled_retained_graph_backpropagated_twice_is_one_step(monkeypatch):
             o.zero_grad()
     assert rel_diff(model, ref_model) <= TOL
     assert all(h.buffer is None and h.pending_traced == 0 for h in opt._handles.values())
+
+
+def _generated_code(fn):
+    """inductor's generated code (forward graph first) for one call of ``fn``, compiled afresh."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    return run_and_get_code(fn)[1]
+
+
+def test_compiled_forward_runs_inductors_gemm_and_counts_uses_once(monkeypatch):
+    """inductor_pass: the compiled forward calls inductor's own GEMM for every fused linear and counts all
+    their uses in one call (one crossing into Python per graph, not per layer); the compiled backward
+    forms dX with inductor's GEMM and hands it to the update op. The old per-layer ops appear nowhere."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    model = tiny_llama()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    n_fused = len(opt.fused_modules())
+    cmodel = torch.compile(model)
+    ids = hf_batches(1)[0]
+    fwd, bwd = _generated_code(lambda: cmodel(input_ids=ids, labels=ids).loss.backward())
+    assert "forge_optim.linear_counted" not in fwd and "forge_optim.fused_linear." not in fwd
+    assert fwd.count("forge_optim.count_uses.default(") == 1
+    assert fwd.count("extern_kernels.mm(") >= n_fused
+    assert bwd.count("forge_optim.fused_linear_update.default(") == n_fused
+    assert "fused_linear_backward" not in bwd
+    # every use was counted in forward and released by its backward: all fused weights stepped once
+    assert all(h.pending_traced == 0 and h.buffer is None for h in opt._handles.values())
+    assert all(int(opt.state[h.param]["step"]) == 1 for h in opt._handles.values())
+
+
+class _Reused(torch.nn.Module):
+    """One fused linear called twice per forward, then a second one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
+@pytest.mark.parametrize("layout", ["weight used twice", "two forwards, one backward", "dynamic shapes"])
+def test_compiled_counted_uses_give_one_step_with_the_summed_gradient(layout):
+    """The use count now lives in one call per compiled forward graph (and, for symbolic shapes, in the
+    per-layer op that pass leaves alone): a weight used twice in a forward, or by two forwards before one
+    backward, still takes one AdamW step with the summed gradient, as torch.optim.AdamW does."""
+    torch.manual_seed(0)
+    model = _Reused()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    torch._dynamo.reset()
+    cmodel = torch.compile(model, dynamic=layout == "dynamic shapes")
+    for step in range(3):
+        xs = [torch.randn(3 + step if layout == "dynamic shapes" else 3, 5, 8) for _ in range(2)]
+        if layout != "two forwards, one backward":
+            xs = xs[:1]
+        for m, o in ((cmodel, opt), (ref_model, ref)):
+            sum(m(x).square().mean() for x in xs).backward()
+            o.step()
+            o.zero_grad()
+    assert rel_diff(model, ref_model) <= TOL
+    assert all(h.pending_traced == 0 and h.buffer is None for h in opt._handles.values())
+    assert all(int(opt.state[h.param]["step"]) == 3 for h in opt._handles.values())
+
+
+def test_inductor_pass_is_chained_with_a_users_pass(monkeypatch):
+    """A post-grad pass the user configured still runs (after FORGE's), and inductor's cache key names both;
+    one FORGE does not know how to key makes inductor skip caching, as it would for that pass alone."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from forge_optim import inductor_pass
+
+    seen = []
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(sum(n.target is torch.ops.forge_optim.count_uses.default for n in graph.nodes))
+
+        def uuid(self):
+            return "user-pass-v1"
+
+    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", UserPass())
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    model = _Reused()
+    forge_optim.AdamW(model, lr=1e-2)
+    cmodel = torch.compile(model)
+    torch._dynamo.reset()
+    cmodel(torch.randn(3, 8)).sum().backward()
+    installed = inductor_config.post_grad_custom_pre_pass
+    assert isinstance(installed, inductor_pass.FusedLinearPass) and isinstance(installed.inner, UserPass)
+    assert seen[0] == 1  # the user's pass ran on the forward graph FORGE's pass had rewritten
+    assert installed.uuid()[-1] == ("user-pass-v1",)
+    installed.inner = lambda graph: None
+    assert installed.uuid() is None
+
+
+def test_inductor_pass_can_be_turned_off(monkeypatch):
+    """FORGE_OPTIM_INDUCTOR_PASS=0: inductor's config is left alone and the per-layer ops run (exactly)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("FORGE_OPTIM_INDUCTOR_PASS", "0")
+    monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", None)
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    torch.manual_seed(0)
+    model = _Reused()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    cmodel = torch.compile(model)
+    x = torch.randn(3, 8)
+    fwd, _ = _generated_code(lambda: cmodel(x).sum().backward())
+    assert inductor_config.post_grad_custom_pre_pass is None
+    assert fwd.count("forge_optim.linear_counted.default(") == 3 and "count_uses" not in fwd
+    ref_model(x).sum().backward()
+    ref.step()
+    opt.step()
+    assert rel_diff(model, ref_model) <= TOL

@@ -7,11 +7,13 @@ Two forms of the same thing:
 - eager: :class:`FusedLinearFunction` (an autograd.Function); a graph that is never
   backpropagated releases its pending use when it is freed.
 - under torch.compile: the ``forge_optim::fused_linear`` op (torch.library, defined at the
-  dispatcher's level) with an Autograd kernel whose backward is the opaque, mutating
-  ``forge_optim::fused_linear_backward`` op. That op
-  computes dX *and then* updates the weight, so no compiler can reorder the dX GEMM after the
-  update (invariant 1). The weight reaches it as a non-persistent buffer that aliases the
-  parameter's storage: torch 2.11's inductor refuses a mutation of the autograd leaf itself.
+  dispatcher's level) with an Autograd kernel whose backward computes dX = dY W as ordinary traced
+  ops and then calls the opaque, mutating ``forge_optim::fused_linear_update`` op with dX as an
+  input: the data dependency keeps every compiler from moving the dX GEMM after the update
+  (invariant 1). The weight reaches the op as a non-persistent buffer that aliases the parameter's
+  storage: torch 2.11's inductor refuses a mutation of the autograd leaf itself.
+  In a compiled forward, ``inductor_pass`` turns each layer's counted-use op into inductor's own GEMM
+  and counts the whole graph's uses in one ``forge_optim::count_uses`` call.
 """
 from __future__ import annotations
 
@@ -160,6 +162,52 @@ def _fused_linear_backward_fake(grad_out, x, weight, weight_alias, handle_id, ne
     return x.new_empty(x.shape) if needs_dx else x.new_empty(0)
 
 
+# What the traced backward calls since 2026-12-04 (``fused_linear_backward`` stays for graphs compiled and
+# cached before): dX is no longer formed inside the op, where it cost a Python matmul per layer, but by the
+# traced graph (inductor's GEMM call) and handed in. The op never reads ``dx``: it is there so that the
+# GEMM that reads the old W is ordered before the op that writes W (invariant 1), by data dependency.
+_LIB.define("fused_linear_update(Tensor grad_out, Tensor x, Tensor? dx, Tensor(a!) weight_alias, int handle_id) -> ()",
+            tags=_GRAPH_UNSAFE)
+
+
+def fused_linear_update_op(grad_out: torch.Tensor, x: torch.Tensor, dx: torch.Tensor | None,
+                           weight_alias: torch.Tensor, handle_id: int) -> None:
+    """The fused update of ``weight_alias`` (the parameter's storage), after ``dx`` was formed."""
+    h = _handle(handle_id)
+    h.release_one()
+    h.consume(grad_out, x, None)
+
+
+_LIB.impl("fused_linear_update", fused_linear_update_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge_optim::fused_linear_update")
+def _fused_linear_update_fake(grad_out, x, dx, weight_alias, handle_id):
+    return None
+
+
+# One call per compiled forward graph counts the uses of every fused linear the graph computes with
+# inductor's GEMM (inductor_pass.py puts it there). ``anchor`` (the first such weight) is read only: it
+# gives the call a device. Registered as side-effecting, so no dead-code elimination drops it.
+_LIB.define("count_uses(Tensor anchor, int[] handle_ids) -> ()", tags=_GRAPH_UNSAFE)
+
+
+def count_uses_op(anchor: torch.Tensor, handle_ids: list[int]) -> None:
+    for hid in handle_ids:
+        _handle(hid).count_use()
+
+
+_LIB.impl("count_uses", count_uses_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge_optim::count_uses")
+def _count_uses_fake(anchor, handle_ids):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.forge_optim.count_uses.default)
+
+
 # The forward, in two ops. ``fused_linear`` is what a traced model calls: its Autograd kernel (the
 # autograd.Function below) records the backward op. What the compiled forward graph then calls at every
 # step is ``linear_counted``, the op that Function runs below autograd: it has no Autograd kernel, so a
@@ -188,6 +236,11 @@ _LIB.impl("fused_linear", fused_linear_op, "CompositeExplicitAutograd")
 
 
 def _linear_fake(x, weight, bias, *rest):
+    # Runs only while torch.compile traces a FORGE model, before inductor compiles the graph: the moment
+    # to put the forward's rewrite into inductor's post-grad passes (install() does nothing if it is there).
+    from . import inductor_pass
+
+    inductor_pass.install()
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -209,12 +262,13 @@ class _TracedLinearGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, weight_alias = ctx.saved_tensors
-        needs_dx = ctx.needs_input_grad[0]
-        dx = torch.ops.forge_optim.fused_linear_backward(grad_out, x, weight, weight_alias, ctx.handle_id, needs_dx)
+        # dX with the old W, traced (inductor's GEMM), and handed to the update op: invariant 1 by data dependency
+        dx = input_grad(grad_out, weight, x.dtype) if ctx.needs_input_grad[0] else None
+        torch.ops.forge_optim.fused_linear_update(grad_out, x, dx, weight_alias, ctx.handle_id)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_out.reshape(-1, weight.shape[0]).sum(0)
-        return (dx if needs_dx else None), None, db, None, None
+        return dx, None, db, None, None
 
 
 def _fused_linear_autograd(x, weight, bias, weight_alias, handle_id):
