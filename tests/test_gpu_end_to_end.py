@@ -268,3 +268,45 @@ def test_input_gradient_and_retained_graph_on_gpu():
     gap = rel_diff(model, ref_model)
     print(f"retained graph, two passes, vs torch.optim.SGD on the summed gradient: {gap:.2e}")
     assert gap <= 1e-6, gap
+
+
+@pytest.mark.parametrize("dx_in_graph", [True, False], ids=["current form", "dX inside the op (older form)"])
+def test_compiled_reused_weight_takes_one_step_on_gpu(dx_in_graph, monkeypatch):
+    """CUDA inductor and the Triton backend: one fused linear used twice per forward, and two forwards
+    before one backward, compiled, take one AdamW step with the summed gradient (fp32 state), as
+    torch.optim.AdamW on the same compiled model does. The older backward form made inductor copy the
+    weight and copy that copy back after the update (erasing it: 1x lr off) until the ops learned to write
+    the update back into the tensor they are handed."""
+    import torch._inductor.config as inductor_config
+
+    from forge_optim import autograd as fautograd
+
+    monkeypatch.setattr(fautograd, "_TRACE_DX_IN_GRAPH", dx_in_graph)
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+
+    class Reused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+    torch.manual_seed(0)
+    model = Reused().cuda()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01, backend="triton", state_dtype="fp32")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    torch._dynamo.reset()
+    cmodel, cref = torch.compile(model), torch.compile(ref_model)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for _ in range(4):
+        xs = [torch.randn(4, 16, 64, device="cuda", generator=g) for _ in range(2)]
+        for m, o in ((cmodel, opt), (cref, ref)):
+            sum(m(x).square().mean() for x in xs).backward()
+            o.step()
+            o.zero_grad()
+    gap = rel_diff(model, ref_model)
+    print(f"reused weight, compiled, dx_in_graph={dx_in_graph}: forge vs torch.optim {gap:.2e}")
+    assert gap <= 1e-4, gap
+    assert all(int(opt.state[h.param]["step"]) == 4 for h in opt._handles.values())

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from . import dtensor
+
 
 class Use:
     """One counted forward use of a fused weight; releases its count if its graph is dropped."""
@@ -151,7 +153,19 @@ def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: to
     h = _handle(handle_id)
     h.release_one()
     h.consume(grad_out, x, None)
+    _write_back(weight_alias, h.param)
     return dx
+
+
+def _write_back(weight_alias: torch.Tensor, param: torch.Tensor) -> None:
+    """The update is written to the parameter's storage, whatever tensor the op was handed. A compiled
+    graph that does not reinplace the op's declared mutation hands it a copy of the weight and copies that
+    copy back over the weight after the op: without this, the stale copy would erase the update (seen in
+    torch 2.13's inductor when the graph reads the weight after a first mutation: a weight used twice)."""
+    a, p = dtensor.local(weight_alias), dtensor.local(param)
+    if a.data_ptr() != p.data_ptr():
+        with torch.no_grad():
+            a.copy_(p)
 
 
 _LIB.impl("fused_linear_backward", fused_linear_backward_op, "CompositeExplicitAutograd")
@@ -176,6 +190,7 @@ def fused_linear_update_op(grad_out: torch.Tensor, x: torch.Tensor, dx: torch.Te
     h = _handle(handle_id)
     h.release_one()
     h.consume(grad_out, x, None)
+    _write_back(weight_alias, h.param)
 
 
 _LIB.impl("fused_linear_update", fused_linear_update_op, "CompositeExplicitAutograd")
@@ -248,6 +263,10 @@ torch.library.register_fake("forge_optim::fused_linear")(_linear_fake)
 torch.library.register_fake("forge_optim::linear_counted")(_linear_fake)
 
 
+# Read when a backward is traced, not when it runs: graphs compiled with either value stay as they were.
+_TRACE_DX_IN_GRAPH = True
+
+
 class _TracedLinearGrad(torch.autograd.Function):
     """The autograd formula of ``forge_optim::fused_linear``: backward is the mutating backward op."""
 
@@ -262,9 +281,14 @@ class _TracedLinearGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, weight_alias = ctx.saved_tensors
-        # dX with the old W, traced (inductor's GEMM), and handed to the update op: invariant 1 by data dependency
-        dx = input_grad(grad_out, weight, x.dtype) if ctx.needs_input_grad[0] else None
-        torch.ops.forge_optim.fused_linear_update(grad_out, x, dx, weight_alias, ctx.handle_id)
+        if not _TRACE_DX_IN_GRAPH:  # the form before 2026-12-04 night (benchmarks/compiled_ab.py compares them)
+            needs_dx = ctx.needs_input_grad[0]
+            dx = torch.ops.forge_optim.fused_linear_backward(grad_out, x, weight, weight_alias, ctx.handle_id, needs_dx)
+            dx = dx if needs_dx else None
+        else:
+            # dX with the old W, traced (inductor's GEMM), handed to the update op: invariant 1 by data dependency
+            dx = input_grad(grad_out, weight, x.dtype) if ctx.needs_input_grad[0] else None
+            torch.ops.forge_optim.fused_linear_update(grad_out, x, dx, weight_alias, ctx.handle_id)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_out.reshape(-1, weight.shape[0]).sum(0)
