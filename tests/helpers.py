@@ -55,6 +55,17 @@ class TinyNet(nn.Module):
         return self.head(h)
 
 
+class ReusedLinear(nn.Module):
+    """One linear called twice per forward (the same weight used twice), then a second one."""
+
+    def __init__(self, width: int = 8, out: int = 4):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, out, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
 def batches(n, seed=1, vocab=11, bs=3, seq=5):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (bs, seq), generator=g), torch.randint(0, vocab, (bs, seq), generator=g))

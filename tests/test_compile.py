@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import forge_optim
-from helpers import rel_diff
+from helpers import ReusedLinear, rel_diff
 
 transformers = pytest.importorskip("transformers")
 from test_hf import hf_batches, tiny_llama  # noqa: E402
@@ -226,17 +226,6 @@ def test_compiled_forward_runs_inductors_gemm_and_counts_uses_once(monkeypatch):
     assert all(int(opt.state[h.param]["step"]) == 1 for h in opt._handles.values())
 
 
-class _Reused(torch.nn.Module):
-    """One fused linear called twice per forward, then a second one."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
-
-
 @pytest.mark.parametrize("layout", ["weight used twice", "two forwards, one backward", "dynamic shapes",
                                     "dX inside the backward op"])
 def test_compiled_counted_uses_give_one_step_with_the_summed_gradient(layout, monkeypatch):
@@ -249,7 +238,7 @@ def test_compiled_counted_uses_give_one_step_with_the_summed_gradient(layout, mo
 
     monkeypatch.setattr(fautograd, "_TRACE_DX_IN_GRAPH", layout != "dX inside the backward op")
     torch.manual_seed(0)
-    model = _Reused()
+    model = ReusedLinear()
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
@@ -287,7 +276,7 @@ def test_inductor_pass_is_chained_with_a_users_pass(monkeypatch):
 
     monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", UserPass())
     monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    model = _Reused()
+    model = ReusedLinear()
     forge_optim.AdamW(model, lr=1e-2)
     cmodel = torch.compile(model)
     torch._dynamo.reset()
@@ -308,7 +297,7 @@ def test_inductor_pass_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(inductor_config, "post_grad_custom_pre_pass", None)
     monkeypatch.setattr(inductor_config, "force_disable_caches", True)
     torch.manual_seed(0)
-    model = _Reused()
+    model = ReusedLinear()
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-2)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import forge_optim
-from helpers import assert_states_unchanged, rel_diff, states_snapshot
+from helpers import ReusedLinear, assert_states_unchanged, rel_diff, states_snapshot
 
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
@@ -284,16 +284,8 @@ def test_compiled_reused_weight_takes_one_step_on_gpu(dx_in_graph, monkeypatch):
     monkeypatch.setattr(fautograd, "_TRACE_DX_IN_GRAPH", dx_in_graph)
     monkeypatch.setattr(inductor_config, "force_disable_caches", True)
 
-    class Reused(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32, bias=False)
-
-        def forward(self, x):
-            return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
-
     torch.manual_seed(0)
-    model = Reused().cuda()
+    model = ReusedLinear(64, 32).cuda()
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01, backend="triton", state_dtype="fp32")
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)

@@ -150,10 +150,7 @@ def fused_linear_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: to
                              weight_alias: torch.Tensor, handle_id: int, needs_dx: bool) -> torch.Tensor:
     """dX = dY W with the old W, then the fused update of ``weight_alias`` (the parameter's storage)."""
     dx = input_grad(grad_out, weight, x.dtype) if needs_dx else x.new_empty(0)
-    h = _handle(handle_id)
-    h.release_one()
-    h.consume(grad_out, x, None)
-    _write_back(weight_alias, h.param)
+    fused_linear_update_op(grad_out, x, dx, weight_alias, handle_id)
     return dx
 
 

@@ -1,11 +1,11 @@
 """Inductor's view of the fused linear's forward: its own GEMM per layer, one use-count call per graph.
 
 A compiled FORGE forward calls ``forge_optim::linear_counted`` once per fused linear: a crossing into
-Python (count the use, then F.linear). On the lent H200's host that costs 44-95 us per call, where
-inductor's own GEMM call in an unfused graph costs ~15 us, and the compiled forward at BS=1 is bound by
-that host time (benchmarks/NOTES.md, thirteenth session). This post-grad pass rewrites each such call
-in a forward graph as the GEMM F.linear is (``mm``/``addmm`` on a 2-D view) and counts all of them in one
+Python (count the use, then F.linear). This post-grad pass rewrites each such call in a forward graph as
+the GEMM F.linear is (``mm``/``addmm`` on a 2-D view) and counts all of them in one
 ``forge_optim::count_uses`` call before the first: one Python crossing per graph instead of per layer.
+Measured in one process on the H200 (benchmarks/compiled_ab.py, NOTES.md fourteenth session), the per-layer
+ops cost only 5-10 us each, so this is tidiness, not a speed lever; it keeps inductor's own GEMM in view.
 
 What it leaves alone, so the op path (always correct) runs instead:
 - graphs that also hold a fused backward op (activation-checkpoint recompute inside a compiled
