@@ -1,4 +1,4 @@
-"""Compiled FORGE's host path, old form against new, paired inside one process.
+"""FORGE's host path, one form against another (compiled or eager), paired inside one process.
 
     PYTHONPATH=src python3 benchmarks/compiled_ab.py --out $OUT/ab.json [--layers 8] [--rounds 30]
     PYTHONPATH=src python3 benchmarks/compiled_ab.py --device cpu --model tiny --rounds 5 --out /tmp/ab.json
@@ -12,7 +12,10 @@ timed rounds alternate between them (the order rotates each round), so host drif
 - ``old``: FORGE compiled as before 2026-12-04 night: a ``linear_counted`` op per fused linear in the
   forward, dX formed inside the backward op (``FORGE_OPTIM_INDUCTOR_PASS=0``, ``_TRACE_DX_IN_GRAPH=False``);
 - ``fwd``: inductor's GEMM in the forward (inductor_pass), the old backward;
-- ``new``: both: the forward pass, and dX as a traced GEMM handed to ``fused_linear_update``.
+- ``new``: both: the forward pass, and dX as a traced GEMM handed to ``fused_linear_update``;
+- ``new-triton``: ``new`` with the prepared plans launching through Triton's launcher instead of torch's
+  C++ one (``kernels.launch.STATIC_LAUNCH`` off: the form before 2026-12-05);
+- ``eager``, ``eager-triton``, ``none-eager``: the same model not compiled, with each launcher, and its floor.
 
 Each round times, per variant, the phases with a synchronize after each (dispatch = host time to issue
 the phase, wait = time then spent in synchronize) and a back-to-back run of ``--b2b`` steps with one
@@ -38,12 +41,17 @@ import torch  # noqa: E402
 import forge_optim  # noqa: E402
 from forge_optim import autograd as fautograd  # noqa: E402
 from forge_optim.bench_models import build_model, config_dict  # noqa: E402
+from forge_optim.kernels import launch as flaunch  # noqa: E402
 
-VARIANTS = {  # name: (inductor pass on, dX traced in the graph)
-    "old": (False, False),
-    "fwd": (True, False),
-    "new": (True, True),
+VARIANTS = {  # name: (inductor pass on, dX traced in the graph, static launch, compiled)
+    "old": (False, False, True, True),
+    "fwd": (True, False, True, True),
+    "new": (True, True, True, True),
+    "new-triton": (True, True, False, True),
+    "eager": (True, True, True, False),
+    "eager-triton": (True, True, False, False),
 }
+FLOORS = {"none": True, "none-eager": False}  # no optimizer; compiled or not
 
 
 def _sync(device):
@@ -86,17 +94,23 @@ def main():
         torch.manual_seed(0)
         model = build_model(cfgd, dev, torch.bfloat16)
         opt = None
-        if name != "none":
+        if name not in FLOORS:
             opt = forge_optim.AdamW(model, lr=1e-5, weight_decay=0.1, state_dtype="bf16")
-            _set_form(*VARIANTS[name])
-        run = torch.compile(model)
+            _set_form(*VARIANTS[name][:2])
+            flaunch.STATIC_LAUNCH = VARIANTS[name][2]
+        compiled = FLOORS[name] if name in FLOORS else VARIANTS[name][3]
+        run = torch.compile(model) if compiled else model
         t = time.time()
         runs[name] = (model, opt, run)
         ids = torch.randint(0, cfgd["vocab_size"], (a.batch_size, a.seq_len), device=dev)
         from torch._inductor.utils import run_and_get_code
 
         # the first step compiles forward and backward under this variant's form: record which ops they call
-        _, codes = run_and_get_code(lambda: _step(run, opt, model, ids))
+        if compiled:
+            _, codes = run_and_get_code(lambda: _step(run, opt, model, ids))
+        else:
+            _step(run, opt, model, ids)
+            codes = []
         forms[name] = {op: sum(c.count(f"forge_optim.{op}.default(") for c in codes) for op in
                        ("linear_counted", "count_uses", "fused_linear_backward", "fused_linear_update")}
         for _ in range(2):
@@ -105,6 +119,7 @@ def main():
         print(f"{name}: compiled and warmed in {time.time() - t:.1f} s; ops in its compiled code: {forms[name]}",
               flush=True)
     _set_form(True, True)
+    flaunch.STATIC_LAUNCH = True
 
     keys = ("fwd_dispatch", "fwd_wait", "bwd_dispatch", "bwd_wait", "step_dispatch", "step_wait", "synced", "b2b")
     rec = {n: {k: [] for k in keys} for n in names}
@@ -114,6 +129,8 @@ def main():
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             model, opt, run = runs[name]
+            if name in VARIANTS:  # read by the prepared plans at each launch
+                flaunch.STATIC_LAUNCH = VARIANTS[name][2]
             _sync(dev)
             t0 = time.perf_counter()
             loss = run(input_ids=ids, labels=ids).loss
@@ -138,23 +155,26 @@ def main():
 
     med = {n: {k: round(statistics.median(v), 3) for k, v in rec[n].items()} for n in names}
     paired = {}
-    for x, y in (("new", "old"), ("fwd", "old"), ("new", "fwd"), ("new", "none"), ("old", "none")):
+    for x, y in (("new", "old"), ("fwd", "old"), ("new", "fwd"), ("new", "none"), ("old", "none"),
+                 ("new", "new-triton"), ("new-triton", "none"), ("eager", "eager-triton"), ("eager", "none-eager"),
+                 ("eager-triton", "none-eager")):
         if x in rec and y in rec:
             paired[f"{x}-{y}"] = {k: round(statistics.median(p - q for p, q in zip(rec[x][k], rec[y][k])), 3)
                                   for k in keys}
-    print(f"{'variant':8s} " + " ".join(f"{k:>13s}" for k in keys))
+    print(f"{'variant':24s} " + " ".join(f"{k:>13s}" for k in keys))
     for n in names:
-        print(f"{n:8s} " + " ".join(f"{med[n][k]:13.2f}" for k in keys))
+        print(f"{n:24s} " + " ".join(f"{med[n][k]:13.2f}" for k in keys))
     print("paired per-round differences (median, ms):")
     for pk, pv in paired.items():
-        print(f"{pk:8s} " + " ".join(f"{pv[k]:13.2f}" for k in keys))
+        print(f"{pk:24s} " + " ".join(f"{pv[k]:13.2f}" for k in keys))
     import triton
 
     out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                device=torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({platform.machine()})",
                torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
                model=a.model, layers=a.layers, batch_size=a.batch_size, seq_len=a.seq_len, rounds=a.rounds,
-               b2b_steps=a.b2b, variants={n: dict(zip(("inductor_pass", "dx_in_graph"), VARIANTS.get(n, (None, None))))
+               b2b_steps=a.b2b, variants={n: dict(zip(("inductor_pass", "dx_in_graph", "static_launch", "compiled"),
+                                                   VARIANTS.get(n, (None, None, None, FLOORS.get(n)))))
                                           for n in names}, compiled_ops=forms,
                units="ms per step, median over rounds", medians=med, paired_medians=paired,
                per_round=rec, seconds=round(time.time() - t_start, 1))

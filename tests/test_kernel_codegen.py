@@ -87,3 +87,24 @@ def test_int8_codes_round_and_convert_in_one_instruction():
     ptx = compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"]
     assert ptx.count("cvt.rni.s32.f32") == 2 * per_thread  # m and v
     assert "cvt.rni.f32.f32" not in ptx
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8"])
+def test_static_launch_layout_matches_the_kernel_entry(states):
+    """The static launch (kernels/launch.py) hands torch's C++ launcher one 8-byte slot per kernel
+    parameter, typed by static_layout(): it must list exactly the compiled entry's parameters, in order
+    (pointers as 64-bit, sizes and keys as 32-bit ints, coefficients as fp32), ending with the two
+    scratch pointers Triton appends; a mismatch would shift every argument after it."""
+    import re
+
+    from forge_optim.kernels.launch import static_layout
+
+    kinds = fused.ADAM_STATE_KINDS[states]
+    k = compile_fused(SMALL_BT_CONFIGS[-2], kinds[0], kinds[1])
+    keep, tys = static_layout(k)
+    assert keep == tuple(range(29))
+    entry = re.search(r"\.entry\s+\w+\((.*?)\)", k.asm["ptx"], re.S).group(1)
+    params = re.findall(r"\.param\s+\.(\w+)", entry)
+    as_ptx = {"O": "u64", "i": "u32", "f": "f32"}
+    assert [as_ptx[c] for c in tys] == params
+    assert k.metadata.global_scratch_size > 0  # the device-side TMA descriptors live there

@@ -623,6 +623,117 @@ if INTERP:
                 assert a is b, i
             else:
                 assert type(a) is type(b) and a == b, (i, a, b)
+
+    def _fake_compiled(args, meta, specialized=()):
+        """A stand-in for Triton's CompiledKernel of the fused kernel with these arguments: its source's
+        signature as Triton's runtime writes it (``specialized``: runtime args Triton turned into
+        constexprs, as it does with an int equal to 1)."""
+        from types import SimpleNamespace
+
+        from forge_optim.kernels import fused
+
+        names = fused.forge_fused_kernel.arg_names
+        sig = {}
+        for i, n in enumerate(names):
+            if i >= len(args) or i in specialized:
+                sig[n] = "constexpr"
+            elif isinstance(args[i], torch.Tensor):
+                sig[n] = "*bf16" if args[i].dtype == torch.bfloat16 else "*fp32"
+            else:
+                sig[n] = "fp32" if isinstance(args[i], float) else "i32"
+        md = SimpleNamespace(num_ctas=1, launch_pdl=False, launch_cooperative_grid=False, tensordesc_meta=[],
+                             profile_scratch_size=0, global_scratch_size=256, global_scratch_align=128,
+                             num_warps=4, shared=49152)
+        src = SimpleNamespace(fn=SimpleNamespace(arg_names=names), signature=sig,
+                              constants={(i,): None for i in specialized})
+        return SimpleNamespace(function=0xF00, metadata=md, src=src)
+
+    def test_plan_static_launch_passes_what_launch_would(monkeypatch):
+        """With torch's C++ launcher the prepared plan launches its kernel with plain integers for the
+        pointers: the arguments must be, position by position, what a fresh launch() passes (tensors
+        as their addresses), followed by the TMA scratch address and a null profiler scratch; the
+        grid, warps and shared memory are the compiled kernel's. An int Triton specialized to a
+        constant is left out, as Triton's own launcher leaves it out. FORGE_STATIC_LAUNCH off (or
+        no launcher in torch) goes back to Triton's launcher."""
+        from types import SimpleNamespace
+
+        from forge_optim.backends import triton_backend as tb
+        from forge_optim.kernels import launch as L
+
+        job = make_job("AdamW", "bf16-sr", M0, N0)
+        dy0, x0 = exact_inputs(BT0, M0, N0)
+        plan = TritonBackend().plan(job, dy0, x0)
+        direct_calls, relaunches, static_calls = [], [], []
+        made = {}
+
+        def fake_direct(kernel, grid0, args, meta, options, **kw):
+            direct_calls.append((grid0, list(args), meta))
+            made.setdefault("compiled", _fake_compiled(args, meta, specialized=(14,)))  # N == 1 style
+            return made["compiled"]
+
+        class Launcher:
+            @staticmethod
+            def _launch_kernel(*a):
+                static_calls.append(a)
+
+        scratch = SimpleNamespace(data_ptr=lambda: 0xABC00)
+        monkeypatch.setattr(L, "_INTERPRET", False)
+        monkeypatch.setattr(tb, "_INTERPRET", False)
+        monkeypatch.setattr(L, "FAST_LAUNCH", True)
+        monkeypatch.setattr(L, "STATIC_LAUNCH", True)
+        monkeypatch.setattr(L, "direct_launch", fake_direct)
+        monkeypatch.setattr(L, "hooks_active", lambda: False)
+        monkeypatch.setattr(L, "_sm_count", lambda device: 4)
+        monkeypatch.setattr(L, "_tma_ok", lambda dy, x: False)
+        asked = []
+        monkeypatch.setattr(L, "_scratch", lambda size, align, stream: asked.append((size, align, stream)) or scratch)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch._C, "_StaticCudaLauncher", Launcher, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+        monkeypatch.setattr(L, "relaunch", lambda c, nprogs, args, meta, device: relaunches.append(list(args)))
+
+        rule = RULES["AdamW"]
+        c1 = rule.padded(rule.coefficients(dict(rule.defaults), {}, 1))
+        c2 = rule.padded(rule.coefficients(dict(rule.defaults), {}, 2))
+        plan.run(dy0, x0, c1, 1.0, 11, (12, 13))  # first: launch(), which records the static launch
+        assert static_calls == [] and plan.by_class[(True, True, 0)][4] is not None
+        dy1, x1 = exact_inputs(BT0, M0, N0, seed=4)
+        plan.run(dy1, x1, c2, -1.0, -5, (6, 7))  # second: the static launch
+        L.launch(config=plan.cfg, **dict(plan.kwargs, dy=dy1, x=x1, coeffs=c2, grad_sign=-1.0, key_weight=-5,
+                                         key_states=(6, 7, 0)))  # what Triton's path would be handed
+        assert len(static_calls) == 1 and relaunches == []
+        function, gx, gy, gz, warps, shared, tys, args, stream = static_calls[0]
+        ref_grid, ref_args, _ = direct_calls[-1]
+        assert (function, gx, gy, gz, warps, shared, stream) == (0xF00, ref_grid, 1, 1, 4, 49152, 77)
+        kept = [a for i, a in enumerate(ref_args) if i != 14]
+        assert len(tys) == len(args) == len(kept) + 2 and tys.endswith("OO")
+        for i, (a, b) in enumerate(zip(args, kept)):
+            if isinstance(b, torch.Tensor):
+                assert tys[i] == "O" and a == b.data_ptr(), i
+            else:
+                assert tys[i] in "if" and type(a) is type(b) and a == b, (i, a, b)
+        assert args[-2:] == (0xABC00, 0) and asked == [(256 * ref_grid, 128, 77)]  # per program, on this stream
+
+        monkeypatch.setattr(L, "STATIC_LAUNCH", False)
+        plan.run(dy1, x1, c2, -1.0, -5, (6, 7))
+        assert len(static_calls) == 1 and len(relaunches) == 1
+
+    def test_static_launch_refused_for_what_torch_launcher_cannot_do():
+        """Kernels needing clusters, programmatic dependent launch, host-side TMA descriptors or a
+        profiler scratch, or an argument type the table does not know, get no static layout."""
+        from forge_optim.kernels import launch as L
+
+        dy, x = exact_inputs(BT0, M0, N0)
+        args = (dy, x) + (dy,) * 9 + (BT0, M0, N0, 1, 4) + (0.5,) * 9 + (1, 2, 3, 4)
+        assert L.static_layout(_fake_compiled(args, ())) is not None
+        for field, value in (("num_ctas", 2), ("launch_pdl", True), ("tensordesc_meta", [{"x": 1}]),
+                             ("profile_scratch_size", 64)):
+            k = _fake_compiled(args, ())
+            setattr(k.metadata, field, value)
+            assert L.static_layout(k) is None, field
+        k = _fake_compiled(args, ())
+        k.src.signature["dy_ptr"] = "nvTmaDesc"
+        assert L.static_layout(k) is None
         names = L.fused.forge_fused_kernel.arg_names
         assert (names[L.ARG_DY], names[L.ARG_X], names[L.ARG_COEFFS], names[L.ARG_GRAD_SIGN], names[L.ARG_KEYS]) \
             == ("dy_ptr", "x_ptr", "c0", "grad_sign", "key_w")
@@ -1160,3 +1271,41 @@ def test_gpu_prepared_launch_matches_full_path(monkeypatch, state_dtype):
     """The prepared launch plans relaunch the compiled kernel directly on the GPU: same bits as the
     full path (see test_prepared_launch_matches_full_path)."""
     prepared_vs_full(monkeypatch, state_dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
+    """The prepared plans' static launch (torch's C++ launcher, plain-integer pointers) writes the bits
+    of Triton's own launcher, step after step, with new inputs, coefficients, keys and a maximize flip;
+    and it is what the plans actually take on this GPU."""
+    import forge_optim
+    from forge_optim.kernels import launch as L
+    from forge_optim.kernels.launch import GPU_TEST_CONFIG
+
+    monkeypatch.setenv("FORGE_TRITON_CONFIG", GPU_TEST_CONFIG.env())
+    runs = {}
+    static_runs = []
+    real_run = L.StaticLaunch.run
+    monkeypatch.setattr(L.StaticLaunch, "run", lambda self, *a: static_runs.append(1) or real_run(self, *a))
+    for static in (True, False):
+        monkeypatch.setattr(L, "STATIC_LAUNCH", static)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=False), torch.nn.Tanh(),
+                                    torch.nn.Linear(80, 64, bias=False)).to("cuda", torch.bfloat16)
+        opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend="triton", state_dtype=state_dtype)
+        for step in range(6):
+            x = torch.randn(33, 96, generator=torch.Generator().manual_seed(step)).to("cuda", torch.bfloat16)
+            if step == 3:
+                opt.param_groups[0]["maximize"] = True
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        runs[static] = [t.detach().clone() for t in model.parameters()] + [
+            v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if static:
+            assert len(static_runs) == 2 * 4, static_runs  # two weights, steps 2-5 (step 1 prepares the plan)
+            assert all(rec[4] is not None for h in opt._handles.values() for rec in h.fast.plan.by_class.values())
+    for a, b in zip(runs[True], runs[False]):
+        assert torch.equal(a, b)

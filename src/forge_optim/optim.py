@@ -206,7 +206,7 @@ class FusedWeight:
 
 class _FastPath:
     """A fused weight's prepared update (backend plan) and the tensors it was prepared for. Valid while
-    the weight's storage, its state tensors, the group's state layout, the rounding mode, the backend
+    the weight's storage, its state tensors and their storage, the group's state layout, the rounding mode, the backend
     and the input shapes are unchanged; anything else (load_state_dict, a new param group, p.data
     replaced, nonfinite='raise', DTensors) takes the full path, which re-prepares; accumulation
     never reaches it (consume() buffers those gradients)."""
@@ -225,7 +225,9 @@ class _FastPath:
         self.state, self.specs, self.plan, self.backend = state, tuple(v.spec for v in job.states), plan, backend
         names = [sp.name for sp in self.specs] + [sp.name + "_scale" for sp in self.specs
                                                   if sp.name + "_scale" in state] + ["_nonfinite"]
-        self.tensors = tuple((n, state[n]) for n in names)
+        # the addresses too: the plan may launch with them as plain integers (kernels/launch.py, static launch),
+        # so a state tensor given new storage in place (``t.data = ...``) must take the full path
+        self.tensors = tuple((n, state[n], state[n].data_ptr()) for n in names)
         self.wptr, self.wdtype, self.stochastic = p.data_ptr(), p.dtype, opt.stochastic_rounding
         return self
 
@@ -233,8 +235,8 @@ class _FastPath:
         state = self.state
         if opt.state.get(p) is not state or tuple(opt.rule.state_specs(group)) != self.specs:
             return False
-        for name, t in self.tensors:
-            if state.get(name) is not t:
+        for name, t, ptr in self.tensors:
+            if state.get(name) is not t or t.data_ptr() != ptr:
                 return False
         return (p.data_ptr() == self.wptr and p.dtype is self.wdtype and opt.stochastic_rounding == self.stochastic
                 and opt.nonfinite_mode == "skip" and opt._backends.get(p.device) is self.backend and self.plan.matches(dy, x))

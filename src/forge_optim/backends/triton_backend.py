@@ -243,7 +243,8 @@ class LaunchPlan:
         self.slots = tuple(v.spec.slot for v in job.states)  # job.states order -> kernel slot
         self.dy_shape, self.x_shape, self.dtype = tuple(dy.shape), tuple(x.shape), dy.dtype
         self.device = job.weight.device
-        self.by_class: dict[tuple, tuple] = {}  # (dY aligned, X aligned, device) -> (compiled, nprogs, args, meta)
+        # (dY aligned, X aligned, device) -> (compiled, nprogs, args, meta, StaticLaunch or None)
+        self.by_class: dict[tuple, tuple] = {}
 
     def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
         return (tuple(dy.shape) == self.dy_shape and tuple(x.shape) == self.x_shape and dy.dtype == self.dtype
@@ -263,7 +264,12 @@ class LaunchPlan:
             cls = (dy.data_ptr() & 15 == 0, x.data_ptr() & 15 == 0, dev)
             rec = self.by_class.get(cls)
             if rec is not None:
-                compiled, nprogs, args, meta = rec
+                compiled, nprogs, args, meta, static = rec
+                if static is not None and _launch.STATIC_LAUNCH:
+                    scalars = [*map(float, coeffs), float(grad_sign), kw, *ks]
+                    if len(scalars) == _launch._N_SCALARS:
+                        static.run(dy, x, scalars, dev)
+                        return
                 a = list(args)
                 a[_launch.ARG_DY], a[_launch.ARG_X] = dy, x
                 a[_launch.ARG_COEFFS:_launch.ARG_GRAD_SIGN] = [float(c) for c in coeffs]
@@ -277,4 +283,4 @@ class LaunchPlan:
             compiled, nprogs, args, meta = out
             args = list(args)
             args[_launch.ARG_DY] = args[_launch.ARG_X] = None  # filled in per launch
-            self.by_class[cls] = (compiled, nprogs, args, meta)
+            self.by_class[cls] = (compiled, nprogs, args, meta, _launch.StaticLaunch.make(compiled, nprogs, args))

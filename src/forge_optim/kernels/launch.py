@@ -164,19 +164,20 @@ def state_kind(view) -> int:
     return fused.S_FP32
 
 
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """The kernel writes its TMA descriptors here. One buffer per (device, stream), grown when
+    needed: launches on one stream run in order, so reuse is safe, and it saves an allocator call
+    (~15 us of host time) per launch."""
+    key = (torch.cuda.current_device(), stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < size or buf.data_ptr() % alignment:
+        buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
+    return buf
+
+
 def _ensure_allocator():
     if not getattr(_ALLOCATOR_SET, "done", False):
-        def alloc(size: int, alignment: int, stream):
-            # The kernel writes its TMA descriptors here. One buffer per (device, stream), grown when
-            # needed: launches on one stream run in order, so reuse is safe, and it saves an
-            # allocator call (~15 us of host time) per launch.
-            key = (torch.cuda.current_device(), stream)
-            buf = _SCRATCH.get(key)
-            if buf is None or buf.numel() < size or buf.data_ptr() % alignment:
-                buf = _SCRATCH[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device="cuda")
-            return buf
-
-        triton.set_allocator(alloc)
+        triton.set_allocator(_scratch)
         _ALLOCATOR_SET.done = True
 
 
@@ -375,6 +376,113 @@ def relaunch(compiled, nprogs: int, args, meta: tuple, device: int) -> None:
     the caller guarantees it). No argument inspection at all."""
     compiled.run(nprogs, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Static launch. What a direct launch still pays on the host is Triton's launcher: a Python __call__
+# (the TMA scratch through the allocator hook) and a generated C function that asks about every
+# pointer argument (a data_ptr() call and a cuPointerGetAttribute driver query for each of the 11
+# tensors). A prepared plan's weight, state and buffer pointers never change, so the plan can hand
+# the kernel plain integers through torch's C++ launcher for Triton kernels
+# (torch._C._StaticCudaLauncher, which inductor launches its own kernels with): one C call that
+# copies the arguments into place and calls cuLaunchKernel. FORGE_STATIC_LAUNCH=0 turns it off (A/B
+# measurements). Not used where the compiled kernel needs what that launcher does not do (clusters,
+# programmatic dependent launch, cooperative grids, host-side TMA descriptors, profiler scratch),
+# nor where torch has no such launcher (then Triton's launcher is used, as before).
+STATIC_LAUNCH = os.environ.get("FORGE_STATIC_LAUNCH", "1") != "0"
+# Triton's scalar types -> the launcher's type characters (pointers are "O": an int is taken as is)
+_TYPE_CHARS = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+               "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
+_N_SCALARS = 13  # 8 coefficients, the gradient sign, 4 hash keys: contiguous from ARG_COEFFS
+
+
+def static_layout(compiled) -> tuple[tuple[int, ...], str] | None:
+    """Which runtime arguments the compiled kernel takes (constexprs, including ints Triton specialized
+    to 1, are baked in), and their type characters for torch's launcher, the two scratch pointers
+    Triton 3.x appends included; None if that launcher cannot launch this kernel as Triton would."""
+    md = compiled.metadata
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
+            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "tensordesc_meta", None)
+            or getattr(md, "profile_scratch_size", 0) or not hasattr(md, "global_scratch_size")):
+        return None
+    src = compiled.src
+    names = list(src.fn.arg_names)
+
+    def index(k):
+        return names.index(k) if isinstance(k, str) else (k[0] if isinstance(k, tuple) else k)
+
+    sig = {index(k): v for k, v in src.signature.items()}
+    consts = {index(k) for k in getattr(src, "constants", {})}
+    keep, tys = [], []
+    for i in sorted(sig):
+        ty = sig[i]
+        if ty == "constexpr" or i in consts:
+            continue
+        if ty.startswith("*"):
+            tys.append("O")
+        elif ty in _TYPE_CHARS:
+            tys.append(_TYPE_CHARS[ty])
+        else:  # a TMA descriptor argument, or a type this table does not know
+            return None
+        keep.append(i)
+    return tuple(keep), "".join(tys) + "OO"  # + global scratch, profile scratch
+
+
+class StaticLaunch:
+    """One compiled fused kernel bound to its fixed pointers, launched by torch's C++ launcher;
+    ``run`` fills in dY, X, the coefficients and keys (see the comment above)."""
+
+    __slots__ = ("launcher", "function", "nprogs", "num_warps", "shared", "tys", "template", "i_dy", "i_x",
+                 "i_scalars", "scratch_bytes", "scratch_align", "scratch")
+
+    @classmethod
+    def make(cls, compiled, nprogs: int, args) -> "StaticLaunch | None":
+        launcher = getattr(torch._C, "_StaticCudaLauncher", None)
+        function = getattr(compiled, "function", None)
+        if launcher is None or not function:
+            return None
+        layout = static_layout(compiled)
+        if layout is None:
+            return None
+        keep, tys = layout
+        pos = {i: j for j, i in enumerate(keep)}
+        scalars = range(ARG_COEFFS, ARG_COEFFS + _N_SCALARS)
+        if ARG_DY not in pos or ARG_X not in pos or any(pos.get(i) != pos.get(ARG_COEFFS, -1) + k
+                                                        for k, i in enumerate(scalars)):
+            return None
+        self = cls()
+        self.launcher, self.function, self.nprogs = launcher, function, int(nprogs)
+        md = compiled.metadata
+        self.num_warps, self.shared, self.tys = int(md.num_warps), int(md.shared), tys
+        template = []
+        for j, i in enumerate(keep):
+            v = args[i]
+            if tys[j] == "O":
+                v = 0 if v is None else v.data_ptr()  # dY and X (None in a plan's record): filled per launch
+            template.append(v)
+        self.template = template + [0, 0]
+        self.i_dy, self.i_x, self.i_scalars = pos[ARG_DY], pos[ARG_X], pos[ARG_COEFFS]
+        self.scratch_bytes = int(md.global_scratch_size) * self.nprogs
+        self.scratch_align = int(getattr(md, "global_scratch_align", 1) or 1)
+        self.scratch = {}  # stream -> (buffer, its address): the reference keeps the buffer alive
+        return self
+
+    def run(self, dy: torch.Tensor, x: torch.Tensor, scalars: list, device: int) -> None:
+        """``scalars``: the 8 coefficients, the gradient sign and the 4 int32 keys, in kernel order."""
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        a = self.template.copy()
+        a[self.i_dy] = dy.data_ptr()
+        a[self.i_x] = x.data_ptr()
+        i = self.i_scalars
+        a[i:i + _N_SCALARS] = scalars
+        if self.scratch_bytes:
+            rec = self.scratch.get(stream)
+            if rec is None:
+                buf = _scratch(self.scratch_bytes, self.scratch_align, stream)
+                rec = self.scratch[stream] = (buf, buf.data_ptr())
+            a[-2] = rec[1]
+        self.launcher._launch_kernel(self.function, self.nprogs, 1, 1, self.num_warps, self.shared, self.tys,
+                                     tuple(a), stream)
 
 
 def hooks_active() -> bool:

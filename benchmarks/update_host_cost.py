@@ -1,0 +1,115 @@
+"""Host time of one fused update and of its pieces, per call, on the GPU's host: torch's C++ launcher
+(the static launch) against Triton's launcher, and torch.mm's launch for scale.
+
+    PYTHONPATH=src python3 benchmarks/update_host_cost.py --out $OUT/update-host-cost.json
+
+A 256x256 bf16 weight and BT=64 keep every kernel a few microseconds long, so the loops wait on the
+host, not on the GPU (the script checks: each loop's GPU-synchronized time is reported beside its host
+time). Each figure is the median over ``--repeats`` loops of ``--calls`` calls. Every call of the update
+paths applies a real AdamW step to the weight (the figures do not depend on its values).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+import forge_optim  # noqa: E402
+from forge_optim.kernels import launch as flaunch  # noqa: E402
+
+
+def per_call_us(fn, calls: int, repeats: int) -> dict:
+    host, synced = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        synced.append((t2 - t0) / calls * 1e6)
+    return dict(host_us=round(statistics.median(host), 2), synced_us=round(statistics.median(synced), 2))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--bt", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU: it times kernel launches")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(a.dim, a.dim, bias=False).to("cuda", torch.bfloat16)
+    opt = forge_optim.AdamW(lin, lr=1e-5, weight_decay=0.1, state_dtype="bf16")
+    x = torch.randn(a.bt, a.dim, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):  # full path, then the plan's first launch (which records the static launch)
+        lin(x).float().square().mean().backward()
+        opt.step()
+    h = next(iter(opt._handles.values()))
+    w = h.param
+    dy = torch.randn(a.bt, a.dim, device="cuda", dtype=torch.bfloat16)
+    plan = h.fast.plan
+    rec = next(iter(plan.by_class.values()))
+    gi, idx = opt._locate(w)
+    group = opt.param_groups[gi]
+    coeffs, kw, ks = opt._step_scalars(group, h.fast.state, idx, h.fast.specs)
+
+    def run_plan():
+        plan.run(dy, x, coeffs, 1.0, kw, ks)
+
+    def fused_update():
+        opt._fused_update(h, dy, x)
+
+    def consume():
+        h.consume(dy, x, None)
+
+    def update_op():
+        torch.ops.forge_optim.fused_linear_update(dy, x, None, w, h.id)
+
+    def mm():
+        torch.mm(dy.t(), x)
+
+    res = dict(static_launch_available=rec[4] is not None)
+    timed = [("torch.mm (a wgrad GEMM's launch)", mm, None),
+             ("is_current_stream_capturing", torch.cuda.is_current_stream_capturing, None),
+             ("_step_scalars", lambda: opt._step_scalars(group, h.fast.state, idx, h.fast.specs), None),
+             ("_FastPath.valid", lambda: h.fast.valid(opt, w, group, dy, x), None)]
+    for static in (True, False):
+        tag = "static" if static else "triton"
+        timed += [(f"plan.run [{tag}]", run_plan, static), (f"_fused_update [{tag}]", fused_update, static),
+                  (f"consume [{tag}]", consume, static), (f"fused_linear_update op [{tag}]", update_op, static)]
+    with torch.no_grad():
+        for name, fn, static in timed:
+            if static is not None:
+                flaunch.STATIC_LAUNCH = static
+            fn()
+            res[name] = per_call_us(fn, a.calls, a.repeats)
+            print(f"{name:40s} host {res[name]['host_us']:8.2f} us   synced {res[name]['synced_us']:8.2f} us", flush=True)
+    flaunch.STATIC_LAUNCH = True
+    import triton
+
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
+               dim=a.dim, bt=a.bt, calls=a.calls, repeats=a.repeats, units="us per call, median over repeats",
+               results=res)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
