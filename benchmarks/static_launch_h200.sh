@@ -5,7 +5,7 @@
 #   bash benchmarks/static_launch_h200.sh OUTDIR
 set -u
 OUTD=${1:-${OUT:-/tmp/static-launch}}
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FORGE_STATIC_LAUNCH=1
 mkdir -p "$OUTD"
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv > "$OUTD/gpu.csv" 2>&1
 timeout 150 python3 -m pytest -q -m gpu tests/test_triton_kernel.py -k "static or direct or prepared" 2>&1 \

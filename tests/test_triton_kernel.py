@@ -720,7 +720,8 @@ if INTERP:
 
     def test_static_launch_refused_for_what_torch_launcher_cannot_do():
         """Kernels needing clusters, programmatic dependent launch, host-side TMA descriptors or a
-        profiler scratch, or an argument type the table does not know, get no static layout."""
+        profiler scratch, an argument type the table does not know, or from a Triton whose kernels lack
+        either scratch parameter, get no static layout."""
         from forge_optim.kernels import launch as L
 
         dy, x = exact_inputs(BT0, M0, N0)
@@ -730,6 +731,10 @@ if INTERP:
                              ("profile_scratch_size", 64)):
             k = _fake_compiled(args, ())
             setattr(k.metadata, field, value)
+            assert L.static_layout(k) is None, field
+        for field in ("global_scratch_size", "profile_scratch_size"):  # a Triton without the two scratch parameters
+            k = _fake_compiled(args, ())
+            delattr(k.metadata, field)
             assert L.static_layout(k) is None, field
         k = _fake_compiled(args, ())
         k.src.signature["dy_ptr"] = "nvTmaDesc"
