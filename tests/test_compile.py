@@ -206,10 +206,17 @@ def _generated_code(fn):
 def test_compiled_forward_runs_inductors_gemm_and_counts_uses_once(monkeypatch):
     """inductor_pass: the compiled forward calls inductor's own GEMM for every fused linear and counts all
     their uses in one call (one crossing into Python per graph, not per layer); the compiled backward
-    forms dX with inductor's GEMM and hands it to the update op. The old per-layer ops appear nowhere."""
+    forms dX with inductor's GEMM and hands it to the update op, with dY and X as 2-D views made in the graph
+    (no reshape in the op's Python). The old per-layer ops appear nowhere."""
     import torch._inductor.config as inductor_config
 
+    from forge_optim import optim as foptim
+
     monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    dims = []
+    consume = foptim.FusedWeight.consume
+    monkeypatch.setattr(foptim.FusedWeight, "consume",
+                        lambda self, dy, x, use: dims.append((dy.dim(), x.dim())) or consume(self, dy, x, use))
     model = tiny_llama()
     opt = forge_optim.AdamW(model, lr=1e-2)
     n_fused = len(opt.fused_modules())
@@ -221,6 +228,7 @@ def test_compiled_forward_runs_inductors_gemm_and_counts_uses_once(monkeypatch):
     assert fwd.count("extern_kernels.mm(") >= n_fused
     assert bwd.count("forge_optim.fused_linear_update.default(") == n_fused
     assert "fused_linear_backward" not in bwd
+    assert dims == [(2, 2)] * n_fused
     # every use was counted in forward and released by its backward: all fused weights stepped once
     assert all(h.pending_traced == 0 and h.buffer is None for h in opt._handles.values())
     assert all(int(opt.state[h.param]["step"]) == 1 for h in opt._handles.values())

@@ -285,7 +285,11 @@ class _TracedLinearGrad(torch.autograd.Function):
         else:
             # dX with the old W, traced (inductor's GEMM), handed to the update op: invariant 1 by data dependency
             dx = input_grad(grad_out, weight, x.dtype) if ctx.needs_input_grad[0] else None
-            torch.ops.forge_optim.fused_linear_update(grad_out, x, dx, weight_alias, ctx.handle_id)
+            dy2, x2 = grad_out, x
+            if not dtensor.is_dtensor(x):  # 2-D views made in the graph (a reinterpret call each), not two
+                dy2 = grad_out.reshape(-1, grad_out.shape[-1])  # reshapes in the op's Python (~0.8 us each)
+                x2 = x.reshape(-1, x.shape[-1])
+            torch.ops.forge_optim.fused_linear_update(dy2, x2, dx, weight_alias, ctx.handle_id)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = grad_out.reshape(-1, weight.shape[0]).sum(0)
