@@ -7,16 +7,28 @@ A 256x256 bf16 weight and BT=64 keep every kernel a few microseconds long, so th
 host, not on the GPU (the script checks: each loop's GPU-synchronized time is reported beside its host
 time). Each figure is the median over ``--repeats`` loops of ``--calls`` calls. Every call of the update
 paths applies a real AdamW step to the weight (the figures do not depend on its values).
+
+    python3 benchmarks/update_host_cost.py --cpu --out FILE     (no GPU: the update's Python alone)
+
+``--cpu`` times the Python pieces of a prepared update on CPU tensors (TRITON_INTERPRET=1, the kernel
+launch replaced by a no-op, so ``plan.run`` packs a full launch's arguments there and is not timed):
+``_step_scalars`` and its parts, ``_FastPath.valid``, ``_locate``, and the compiled backward's update op
+with 3-D and with 2-D dY and X.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
+import os
+import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+if "--cpu" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when forge_optim (and triton) are imported
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -28,13 +40,14 @@ from forge_optim.kernels import launch as flaunch  # noqa: E402
 
 def per_call_us(fn, calls: int, repeats: int) -> dict:
     host, synced = [], []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         host.append((t1 - t0) / calls * 1e6)
         synced.append((t2 - t0) / calls * 1e6)
@@ -48,7 +61,10 @@ def main():
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cpu", action="store_true", help="the Python pieces alone, on CPU (see the docstring)")
     a = ap.parse_args()
+    if a.cpu:
+        return cpu_main(a)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU: it times kernel launches")
     torch.manual_seed(0)
@@ -105,6 +121,66 @@ def main():
                torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
                dim=a.dim, bt=a.bt, calls=a.calls, repeats=a.repeats, units="us per call, median over repeats",
                results=res)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {a.out}")
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def cpu_main(a):
+    from forge_optim import precision
+
+    flaunch.fused.forge_fused_kernel = _NoLaunch()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(a.dim, a.dim, bias=False).to(torch.bfloat16)
+    opt = forge_optim.AdamW(lin, lr=1e-5, weight_decay=0.1, backend="triton", state_dtype="bf16")
+    x3 = torch.randn(1, a.bt, a.dim, dtype=torch.bfloat16)
+    for _ in range(3):
+        lin(x3).float().square().mean().backward()
+        opt.step()
+    h = next(iter(opt._handles.values()))
+    w, fast = h.param, h.fast
+    gi, idx = opt._locate(w)
+    group = opt.param_groups[gi]
+    dy3 = torch.randn(1, a.bt, a.dim, dtype=torch.bfloat16)
+    dy2, x2 = dy3.view(a.bt, a.dim), x3.view(a.bt, a.dim)
+    step_t = fast.state["step"]
+    coeffs = opt.rule.coefficients(group, fast.state, 5)
+    alias = lin._forge_weight_alias
+    op = torch.ops.forge_optim.fused_linear_update.default
+
+    def keys():
+        base = precision.step_key(opt.seed, idx, 5)
+        return [precision.site_key(base, precision.SITE_WEIGHT)] + [
+            precision.site_key(base, precision.SITE_STATE0 + sp.slot) for sp in fast.specs]
+
+    timed = [("_step_scalars", lambda: opt._step_scalars(group, fast.state, idx, fast.specs)),
+             ("  step tensor item + fill_", lambda: step_t.fill_(int(step_t.item()))),
+             ("  rule.coefficients", lambda: opt.rule.coefficients(group, fast.state, 5)),
+             ("  rule.padded", lambda: opt.rule.padded(coeffs)),
+             ("  rounding keys (W + states)", keys),
+             ("_FastPath.valid", lambda: fast.valid(opt, w, group, dy2, x2)),
+             ("  plan.matches", lambda: fast.plan.matches(dy2, x2)),
+             ("_locate", lambda: opt._locate(w)),
+             ("increment_version", lambda: torch.autograd.graph.increment_version(w)),
+             ("fused_linear_update op, 3-D dY and X", lambda: op(dy3, x3, None, alias, h.id)),
+             ("fused_linear_update op, 2-D dY and X", lambda: op(dy2, x2, None, alias, h.id))]
+    res = {}
+    with torch.no_grad():
+        for name, fn in timed:
+            fn()
+            res[name] = per_call_us(fn, a.calls, a.repeats)["host_us"]
+            print(f"{name:40s} {res[name]:8.2f} us", flush=True)
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               device=f"cpu ({platform.machine()}, {os.cpu_count()} cores), launch stubbed", torch=torch.__version__,
+               command=" ".join([sys.executable] + sys.argv), dim=a.dim, bt=a.bt, calls=a.calls, repeats=a.repeats,
+               units="us per call, median over repeats", results=res)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
