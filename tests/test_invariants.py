@@ -271,6 +271,27 @@ def test_exclude_patterns_and_unpatch_restore_plain_linear():
     opt.step()
 
 
+@pytest.mark.parametrize("form", ["opt.unpatch()", "forge_optim.unpatch(model)"])
+def test_training_goes_on_after_unpatch_with_the_same_optimizer(form):
+    """Unpatched after two fused steps (either form), the layers are plain nn.Linear and the same
+    optimizer steps their weights from .grad with the states the fused updates left: the whole run
+    equals torch.optim.AdamW's (the module-level form used to leave the optimizer treating them as
+    fused, and step() raised that the weight had a gradient from outside its module)."""
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for i, batch in enumerate(batches(5)):
+        if i == 2:
+            opt.unpatch() if form == "opt.unpatch()" else forge_optim.unpatch(model)
+            assert opt.fused_modules() == {} and type(model.up) is nn.Linear
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_fn(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert opt.unfused_linears()["up"].startswith("unpatched")
+    assert rel_diff(model, ref_model) < 1e-5
+
+
 def test_deepcopy_of_a_patched_model_is_unfused():
     model, _ = twin()
     forge_optim.AdamW(model, lr=1e-2)

@@ -79,3 +79,39 @@ def test_small_block_rows_is_still_exact():
         for m, o in ((model, opt), (ref_model, ref)):
             loss_fn(m, batch).backward(); o.step(); o.zero_grad()
     assert rel_diff(model, ref_model) <= TOL
+
+
+def test_two_optimizers_over_disjoint_parameters_of_one_model():
+    """forge AdamW on the first half and forge Lion on the rest of one model (each with its own
+    params=) fuse their own linears and leave the other's alone; together they equal torch.optim.AdamW
+    plus the reference Lion on the same split. Unpatching one leaves the other's layers fused."""
+    model, ref_model = twin()
+
+    def split(m):
+        first = [p for n, p in m.named_parameters() if n.startswith(("emb", "up", "norm"))]
+        return first, [p for n, p in m.named_parameters() if not n.startswith(("emb", "up", "norm"))]
+
+    (adamw_kw, adamw_ref), (lion_kw, lion_ref) = CASES["AdamW"], CASES["Lion"]
+    a, b = split(model)
+    opts = [forge_optim.AdamW(model, params=a, **adamw_kw), forge_optim.Lion(model, params=b, **lion_kw)]
+    ra, rb = split(ref_model)
+    refs = [adamw_ref(ra, **adamw_kw), lion_ref(rb, **lion_kw)]
+    assert set(opts[0].fused_modules()) == {"up"} and set(opts[1].fused_modules()) == {"down", "head"}
+    assert opts[1].unfused_linears()["up"] == "fused by another forge_optim optimizer"
+    for batch in batches(5):
+        for m, os_ in ((model, opts), (ref_model, refs)):
+            loss_fn(m, batch).backward()
+            for o in os_:
+                o.step()
+                o.zero_grad()
+    assert rel_diff(model, ref_model) < TOL
+    opts[0].unpatch()  # "up" is then stepped by opts[0].step() from its .grad, the same update
+    assert set(opts[1].fused_modules()) == {"down", "head"} and not opts[0].fused_modules()
+    assert type(model.up) is torch.nn.Linear and model.down._forge_handle is opts[1]._handles["down"]
+    for batch in batches(2, seed=7):
+        for m, os_ in ((model, opts), (ref_model, refs)):
+            loss_fn(m, batch).backward()
+            for o in os_:
+                o.step()
+                o.zero_grad()
+    assert rel_diff(model, ref_model) < TOL

@@ -109,6 +109,7 @@ class FusedWeight:
 
     def detach(self) -> None:
         self.attached = False
+        self._opt._any_detached = True  # opt.step() then forgets this handle (forge_optim.unpatch(model))
 
     def new_use(self) -> Use:
         if torch._C._current_graph_task_id() == -1:
@@ -285,6 +286,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.block_rows = int(block_rows)
         self.seed = int(seed)
         self._accumulating = 0
+        self._any_detached = False  # a handle was detached (unpatched) since step() last looked
         self._warned_repeat = False  # the "several updates per opt.step()" warning is shown once
         self._warned_retained = False  # the "retain_graph=True cost a buffer" warning is shown once
         self._backends: dict[Any, Any] = {}
@@ -353,7 +355,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """{module name: module} for every linear whose weight is updated inside backward."""
         model = self._model_ref()
         mods = dict(model.named_modules()) if model is not None else {}
-        return {n: mods[n] for n in self._handles if n in mods}
+        return {n: mods[n] for n, h in self._handles.items() if h.attached and n in mods}
 
     def unfused_linears(self) -> dict[str, str]:
         """{module name: why it is not fused} for every nn.Linear left to opt.step()."""
@@ -368,12 +370,21 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     patch.detach(mod)
         for h in self._handles.values():
             h.detach()
-        self._handles = {}
-        self._fused_ids = {}
+        self._forget_detached()
         for mod in self._sparse_embeddings.values():
             if type(mod) is patch.ForgeEmbedding:
                 mod.__class__ = nn.Embedding
         self._sparse_embeddings = {}
+
+    def _forget_detached(self) -> None:
+        """Drop the handles whose layers were unpatched (``opt.unpatch()``, or ``forge_optim.unpatch(model)``,
+        which reaches every optimizer's layers): they are plain nn.Linear again, and ``step()`` updates
+        their weights from ``.grad`` with the same rule and states."""
+        for name in [n for n, h in self._handles.items() if not h.attached]:
+            h = self._handles.pop(name)
+            self._fused_ids.pop(id(h.param), None)
+            self._unfused[name] = "unpatched; stepped by opt.step() from its gradient"
+        self._any_detached = False
 
     def nonfinite_counts(self) -> dict[str, int]:
         """{name: coordinates skipped so far because their gradient was NaN or Inf} (non-zero only)."""
@@ -590,6 +601,8 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Step the parameters that were not fused; fused weights were updated during backward."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise graph_capture_error(f"{type(self).__name__}.step() is running")
+        if self._any_detached:
+            self._forget_detached()
         loss = None
         if closure is not None:
             with torch.enable_grad():

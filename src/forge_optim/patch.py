@@ -138,8 +138,14 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
         if type(mod) not in (nn.Linear, ForgeLinear):
             skip[name] = f"{type(mod).__name__} is a subclass of nn.Linear with its own forward"
         elif isinstance(mod, ForgeLinear) and mod._forge_handle is not None:
-            raise ValueError(f"module '{name}' is already fused by another forge_optim optimizer; "
-                             "call that optimizer's unpatch() first")
+            if id(mod.weight) in trained:
+                raise ValueError(
+                    f"the weight of module '{name}' is already fused by another forge_optim optimizer and is also "
+                    "in this one's params: each fused weight is updated inside backward by one optimizer. Leave it "
+                    "out of this optimizer's params= (two optimizers over disjoint parameters of one model work), "
+                    "or call the other optimizer's unpatch() first")
+            # another optimizer's (disjoint params): it stays fused there
+            skip[name] = "fused by another forge_optim optimizer"
         elif hits:
             skip[name] = "excluded by the exclude= patterns"
         elif not mod.weight.requires_grad:
