@@ -201,6 +201,62 @@ def test_frozen_weights_are_skipped():
     assert rel_diff(model, ref_model) <= TOL
 
 
+def test_weights_unfrozen_later_train_as_with_torch_optim():
+    """Progressive unfreezing: a linear and a norm frozen when the optimizer is made (default params) and
+    unfrozen after two steps train from then on exactly as under torch.optim.AdamW(model.parameters()),
+    the linear stepped by opt.step() from its gradient; and the checkpoint's groups hold the same
+    parameters as torch's, so it loads into torch.optim.AdamW(model.parameters())."""
+    model, ref_model = twin()
+    for m in (model, ref_model):
+        m.up.requires_grad_(False)
+        m.norm.requires_grad_(False)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    assert opt.unfused_linears()["up"].startswith("frozen") and "unfrozen later" in opt.unfused_linears()["up"]
+    frozen = model.up.weight.detach().clone()
+    for i, batch in enumerate(batches(5)):
+        if i == 2:
+            for m in (model, ref_model):
+                m.up.requires_grad_(True)
+                m.norm.requires_grad_(True)
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_fn(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert not torch.equal(model.up.weight, frozen)
+    assert rel_diff(model, ref_model) <= TOL
+    torch.optim.AdamW(ref_model.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
+
+
+def test_checkpoint_without_the_frozen_parameters_gets_an_error_naming_the_fix():
+    """A checkpoint from an optimizer over the trainable parameters only (forge's default before
+    2026-12-05, or torch.optim over a filtered list) does not fit one made with the default params on a
+    model with frozen parameters: the error says so and how to load it; nothing is changed."""
+    model, _ = twin()
+    model.up.requires_grad_(False)
+    old = forge_optim.AdamW(model, params=[p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loss_fn(model, batches(1)[0]).backward()
+    old.step()
+    saved = old.state_dict()
+    old.unpatch()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    with pytest.raises(ValueError, match=r"2 frozen parameters.*params=\[p for p in model.parameters\(\) if "
+                                         r"p.requires_grad\]"):
+        opt.load_state_dict(saved)
+    assert not opt.state
+    opt.unpatch()
+    forge_optim.AdamW(model, params=[p for p in model.parameters() if p.requires_grad], lr=1e-2).load_state_dict(saved)
+
+
+def test_frozen_weights_of_other_dtypes_stay_out_of_the_default_params():
+    """A frozen fp16 (or quantized) base weight is not put into the default params: it could not be
+    stepped, and the fp32/bf16-only check must not refuse the model for it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].half().requires_grad_(False)
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model[1].parameters()}
+
+
 def _nonfinite_setup(**kw):
     lin = nn.Linear(6, 4, bias=False)
     opt = forge_optim.AdamW(lin, lr=1e-2, **kw)

@@ -293,7 +293,11 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._model_ref = weakref.ref(model)
 
         if params is None:
-            params = [p for p in model.parameters() if p.requires_grad]
+            # Every parameter, as torch.optim.AdamW(model.parameters()) has them (same checkpoint layout): one
+            # frozen now and unfrozen later (progressive unfreezing) is then stepped by opt.step() from its
+            # gradient, as torch.optim would; left out, it would silently never train. Frozen parameters of
+            # other dtypes (fp16 or quantized base weights) stay out: no rule here could step them.
+            params = [p for p in model.parameters() if p.requires_grad or p.dtype in (torch.float32, torch.bfloat16)]
         # torch.optim's own flags ride along in each group so a state_dict loads into torch.optim as is.
         defaults = dict(defaults, **_TORCH_ONLY_FLAGS)
         super().__init__(params, defaults)
@@ -734,7 +738,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
                              f"{len(groups)}")
         if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict has parameter groups of different sizes than this optimizer")
+            sizes = [(len(s["params"]), len(g["params"])) for g, s in zip(groups, saved_groups)]
+            msg = ("loaded state dict has parameter groups of different sizes than this optimizer (saved, here: "
+                   f"{sizes})")
+            frozen = [sum(not q.requires_grad for q in g["params"]) for g in groups]
+            if any(frozen) and all(h - sv in (0, f) for (sv, h), f in zip(sizes, frozen)):
+                # the default params took only trainable parameters before 2026-12-05
+                msg += (f"; the difference is this model's {sum(frozen)} frozen parameters: a checkpoint saved by an "
+                        "optimizer whose params left them out loads into one made with params=[p for p in "
+                        "model.parameters() if p.requires_grad]")
+            raise ValueError(msg)
         id_map = {}
         for g, s in zip(groups, saved_groups):
             id_map.update(zip(s["params"], g["params"]))

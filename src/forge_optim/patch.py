@@ -149,7 +149,8 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
         elif hits:
             skip[name] = "excluded by the exclude= patterns"
         elif not mod.weight.requires_grad:
-            skip[name] = "frozen (weight.requires_grad is False)"
+            skip[name] = ("frozen (weight.requires_grad is False) when the optimizer was made; if unfrozen later, "
+                          "it is stepped by opt.step() from its gradient")
         elif id(mod.weight) not in trained:
             skip[name] = "weight is not in the optimizer's params"
         elif len(owners[id(mod.weight)]) > 1:
