@@ -12,8 +12,9 @@ paths applies a real AdamW step to the weight (the figures do not depend on its 
 
 ``--cpu`` times the Python pieces of a prepared update on CPU tensors (TRITON_INTERPRET=1, the kernel
 launch replaced by a no-op, so ``plan.run`` packs a full launch's arguments there and is not timed):
-``_step_scalars`` and its parts, ``_FastPath.valid``, ``_locate``, and the compiled backward's update op
-with 3-D and with 2-D dY and X.
+``_step_scalars`` and its parts, ``_FastPath.valid``, ``_locate``, the compiled backward's update op
+with 3-D and with 2-D dY and X, and ``_fused_update`` with a fixed token count and with one that
+changes every call (batches of varying length).
 """
 from __future__ import annotations
 
@@ -155,6 +156,13 @@ def cpu_main(a):
     alias = lin._forge_weight_alias
     op = torch.ops.forge_optim.fused_linear_update.default
 
+    cycle = [(torch.randn(bt, a.dim, dtype=torch.bfloat16), torch.randn(bt, a.dim, dtype=torch.bfloat16))
+             for bt in range(a.bt, a.bt + 4)]  # one BT regime (for --bt below 61): one plan serves them all
+    turn = iter(range(1 << 62))
+
+    def varying():
+        opt._fused_update(h, *cycle[next(turn) % 4])
+
     def keys():
         base = precision.step_key(opt.seed, idx, 5)
         return [precision.site_key(base, precision.SITE_WEIGHT)] + [
@@ -170,7 +178,9 @@ def cpu_main(a):
              ("_locate", lambda: opt._locate(w)),
              ("increment_version", lambda: torch.autograd.graph.increment_version(w)),
              ("fused_linear_update op, 3-D dY and X", lambda: op(dy3, x3, None, alias, h.id)),
-             ("fused_linear_update op, 2-D dY and X", lambda: op(dy2, x2, None, alias, h.id))]
+             ("fused_linear_update op, 2-D dY and X", lambda: op(dy2, x2, None, alias, h.id)),
+             ("_fused_update, BT fixed", lambda: opt._fused_update(h, dy2, x2)),
+             ("_fused_update, BT cycling over 4 values", varying)]
     res = {}
     with torch.no_grad():
         for name, fn in timed:

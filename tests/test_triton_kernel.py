@@ -179,7 +179,9 @@ def compare(job, ref, mode, what):
 
 
 def prepared_vs_full(monkeypatch, state_dtype, device):
-    """Train twice, with and without the prepared launch plans: the bits must be equal."""
+    """Train twice, with and without the prepared launch plans: the bits must be equal. The token count
+    changes every step inside one tuning regime (5, 7, 16, 3, 9, 1: what Triton specializes BT on, 1 and
+    multiples of 16, included), and the plans serve every step they are valid for."""
 
     import forge_optim
     from forge_optim import optim as optim_mod
@@ -201,16 +203,16 @@ def prepared_vs_full(monkeypatch, state_dtype, device):
         opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend="triton", state_dtype=state_dtype)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         runs = 0
-        for step in range(6):
-            x = torch.randn(5, 48, generator=torch.Generator().manual_seed(step)).to(device, torch.bfloat16)
+        for step, bt in enumerate((5, 7, 16, 3, 9, 1)):
+            x = torch.randn(bt, 48, generator=torch.Generator().manual_seed(step)).to(device, torch.bfloat16)
             if step == 3:
                 opt.param_groups[0]["maximize"] = True
             if step == 4:  # round trip: new state tensors, the plan must not write the old ones
                 opt.load_state_dict(opt.state_dict())
             h = opt._handles["2"]
             valid = h.fast is not None and h.fast.valid(opt, h.param, opt.param_groups[0],
-                                                        torch.empty(5, 24, dtype=torch.bfloat16, device=device),
-                                                        torch.empty(5, 40, dtype=torch.bfloat16, device=device))
+                                                        torch.empty(bt, 24, dtype=torch.bfloat16, device=device),
+                                                        torch.empty(bt, 40, dtype=torch.bfloat16, device=device))
             runs += valid
             model(x).float().square().mean().backward()
             opt.step()
@@ -574,9 +576,10 @@ if INTERP:
         prepared_vs_full(monkeypatch, state_dtype, "cpu")
 
     def test_plan_relaunch_passes_what_launch_would(monkeypatch):
-        """LaunchPlan's relaunch (GPU only) patches dY, X, coefficients, sign and keys into the
-        arguments of its first launch: they must be exactly what a fresh launch() would pass. Run on
-        the CPU with the GPU launch calls recorded instead of executed."""
+        """LaunchPlan's relaunch (GPU only) patches dY, X, BT, coefficients, sign and keys into the
+        arguments of its first launch: they must be exactly what a fresh launch() would pass, also for
+        another token count of the same tuning regime. Run on the CPU with the GPU launch calls recorded
+        instead of executed."""
         from forge_optim.backends import triton_backend as tb
         from forge_optim.kernels import launch as L
 
@@ -608,7 +611,8 @@ if INTERP:
             return coeffs, precision.stream_key(7, 1, step, 0), tuple(precision.stream_key(7, 1, step, 1 + i)
                                                                        for i in range(2))
 
-        dy1, x1 = exact_inputs(BT0, M0, N0)
+        dy1, x1 = exact_inputs(BT0 + 2, M0, N0)  # another token count, same regime and specialization class
+        assert plan.matches(dy1, x1) and (BT0 + 2) % 16 and BT0 % 16 and BT0 != 1
         c, kw, ks = step_args(1)
         plan.run(dy0, x0, c, 1.0, kw, ks)  # first: through launch(), recorded by fake_direct
         c, kw, ks = step_args(2)
@@ -696,8 +700,8 @@ if INTERP:
         c1 = rule.padded(rule.coefficients(dict(rule.defaults), {}, 1))
         c2 = rule.padded(rule.coefficients(dict(rule.defaults), {}, 2))
         plan.run(dy0, x0, c1, 1.0, 11, (12, 13))  # first: launch(), which records the static launch
-        assert static_calls == [] and plan.by_class[(True, True, 0)][4] is not None
-        dy1, x1 = exact_inputs(BT0, M0, N0, seed=4)
+        assert static_calls == [] and plan.by_class[(True, True, 0, False, False)][4] is not None
+        dy1, x1 = exact_inputs(BT0 + 2, M0, N0, seed=4)  # another token count of the same class: BT patched
         plan.run(dy1, x1, c2, -1.0, -5, (6, 7))  # second: the static launch
         L.launch(config=plan.cfg, **dict(plan.kwargs, dy=dy1, x=x1, coeffs=c2, grad_sign=-1.0, key_weight=-5,
                                          key_states=(6, 7, 0)))  # what Triton's path would be handed
@@ -717,6 +721,17 @@ if INTERP:
         monkeypatch.setattr(L, "STATIC_LAUNCH", False)
         plan.run(dy1, x1, c2, -1.0, -5, (6, 7))
         assert len(static_calls) == 1 and len(relaunches) == 1
+        assert relaunches[0][L.ARG_BT] == BT0 + 2
+
+        # BT = 48 and BT = 1 are other specializations (Triton compiles BT % 16 == 0 and BT == 1 apart):
+        # each gets its own record through launch(), never a kernel compiled for another class
+        monkeypatch.setattr(L, "STATIC_LAUNCH", True)
+        for bt in (48, 1):
+            dyb, xb = exact_inputs(bt, M0, N0, seed=5)
+            plan.run(dyb, xb, c2, 1.0, 3, (4, 5))
+        assert len(static_calls) == 1 and len(plan.by_class) == 3
+        assert set(plan.by_class) == {(True, True, 0, False, False), (True, True, 0, False, True),
+                                      (True, True, 0, True, False)}
 
     def test_static_launch_refused_for_what_torch_launcher_cannot_do():
         """Kernels needing clusters, programmatic dependent launch, host-side TMA descriptors or a
@@ -740,8 +755,8 @@ if INTERP:
         k.src.signature["dy_ptr"] = "nvTmaDesc"
         assert L.static_layout(k) is None
         names = L.fused.forge_fused_kernel.arg_names
-        assert (names[L.ARG_DY], names[L.ARG_X], names[L.ARG_COEFFS], names[L.ARG_GRAD_SIGN], names[L.ARG_KEYS]) \
-            == ("dy_ptr", "x_ptr", "c0", "grad_sign", "key_w")
+        assert (names[L.ARG_DY], names[L.ARG_X], names[L.ARG_BT], names[L.ARG_COEFFS], names[L.ARG_GRAD_SIGN],
+                names[L.ARG_KEYS]) == ("dy_ptr", "x_ptr", "BT", "c0", "grad_sign", "key_w")
 
     def test_sparse_embedding_through_the_kernel():
         """An embedding's row-sparse gradient, densified chunk by chunk into the BT=0 launch, equals
@@ -1282,8 +1297,9 @@ def test_gpu_prepared_launch_matches_full_path(monkeypatch, state_dtype):
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
     """The prepared plans' static launch (torch's C++ launcher, plain-integer pointers) writes the bits
-    of Triton's own launcher, step after step, with new inputs, coefficients, keys and a maximize flip;
-    and it is what the plans actually take on this GPU."""
+    of Triton's own launcher, step after step, with new inputs, token counts (two of Triton's BT
+    specializations), coefficients, keys and a maximize flip; and it is what the plans actually take on
+    this GPU."""
     import forge_optim
     from forge_optim.kernels import launch as L
     from forge_optim.kernels.launch import GPU_TEST_CONFIG
@@ -1299,8 +1315,8 @@ def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
         model = torch.nn.Sequential(torch.nn.Linear(96, 80, bias=False), torch.nn.Tanh(),
                                     torch.nn.Linear(80, 64, bias=False)).to("cuda", torch.bfloat16)
         opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend="triton", state_dtype=state_dtype)
-        for step in range(6):
-            x = torch.randn(33, 96, generator=torch.Generator().manual_seed(step)).to("cuda", torch.bfloat16)
+        for step, bt in enumerate((33, 40, 17, 48, 64, 9)):
+            x = torch.randn(bt, 96, generator=torch.Generator().manual_seed(step)).to("cuda", torch.bfloat16)
             if step == 3:
                 opt.param_groups[0]["maximize"] = True
             model(x).float().square().mean().backward()
@@ -1310,7 +1326,9 @@ def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
         runs[static] = [t.detach().clone() for t in model.parameters()] + [
             v.clone() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         if static:
-            assert len(static_runs) == 2 * 4, static_runs  # two weights, steps 2-5 (step 1 prepares the plan)
+            # two weights x steps 2, 4, 5: step 0 prepares the plan, steps 1 and 3 record the launch of
+            # their BT class (not a multiple of 16; a multiple of 16), later steps of a class launch statically
+            assert len(static_runs) == 2 * 3, static_runs
             assert all(rec[4] is not None for h in opt._handles.values() for rec in h.fast.plan.by_class.values())
     for a, b in zip(runs[True], runs[False]):
         assert torch.equal(a, b)

@@ -231,25 +231,31 @@ def _clone_view(view, rows=None):
 
 class LaunchPlan:
     """One fused weight's launch, prepared by an update that went through the checks: later updates
-    with the same weight, states and input shapes only fill in dY, X, the coefficients and the keys,
-    then launch the compiled kernel directly (no eligibility checks, tuner lookup or argument
-    packing: ~100 us of host time per layer and step). The caller (the optimizer) checks that the
-    weight and its states are still the tensors this plan was made for."""
+    with the same weight, states and input widths, and a token count BT in the same tuning regime
+    (``bt_regime``: the tuner picks one config per regime), only fill in dY, X, BT, the coefficients
+    and the keys, then launch the compiled kernel directly (no eligibility checks, tuner lookup or
+    argument packing: ~100 us of host time per layer and step; ~40 us on a 2-core CPU). So batches
+    of varying length (fine-tuning without padding to a fixed length) stay on this path. The caller
+    (the optimizer) checks that the weight and its states are still the tensors this plan was made for."""
 
     def __init__(self, cfg: KernelConfig, kwargs: dict, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor):
         self.cfg = cfg
         # no reference to this step's dY and X: they must be freed after backward
         self.kwargs = dict(kwargs, dy=None, x=None)
         self.slots = tuple(v.spec.slot for v in job.states)  # job.states order -> kernel slot
-        self.dy_shape, self.x_shape, self.dtype = tuple(dy.shape), tuple(x.shape), dy.dtype
+        self.M, self.N, self.dtype = dy.shape[1], x.shape[1], dy.dtype
+        regime = bt_regime(dy.shape[0])  # the token counts that share this plan's config: (lo, hi]
+        self.bt_lo, self.bt_hi = (-1, 0) if regime == 0 else (0 if regime == 64 else regime // 2, regime)
         self.device = job.weight.device
-        # (dY aligned, X aligned, device) -> (compiled, nprogs, args, meta, StaticLaunch or None)
+        # (dY aligned, X aligned, device, BT == 1, BT % 16 == 0: what Triton specializes BT on)
+        #   -> (compiled, nprogs, args, meta, StaticLaunch or None)
         self.by_class: dict[tuple, tuple] = {}
 
     def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
-        return (tuple(dy.shape) == self.dy_shape and tuple(x.shape) == self.x_shape and dy.dtype == self.dtype
-                and x.dtype == self.dtype and dy.is_contiguous() and x.is_contiguous() and dy.device == self.device
-                and x.device == self.device)
+        dsh, xsh = dy.shape, x.shape
+        return (len(dsh) == 2 and len(xsh) == 2 and dsh[1] == self.M and xsh[1] == self.N and dsh[0] == xsh[0]
+                and self.bt_lo < dsh[0] <= self.bt_hi and dy.dtype == self.dtype and x.dtype == self.dtype
+                and dy.is_contiguous() and x.is_contiguous() and dy.device == self.device and x.device == self.device)
 
     def run(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states: tuple) -> None:
         keys = [0, 0, 0]
@@ -261,17 +267,18 @@ class LaunchPlan:
                   and not _launch.hooks_active())
         if direct:
             dev = torch.cuda.current_device()
-            cls = (dy.data_ptr() & 15 == 0, x.data_ptr() & 15 == 0, dev)
+            bt = dy.shape[0]
+            cls = (dy.data_ptr() & 15 == 0, x.data_ptr() & 15 == 0, dev, bt == 1, bt & 15 == 0)
             rec = self.by_class.get(cls)
             if rec is not None:
                 compiled, nprogs, args, meta, static = rec
                 if static is not None and _launch.STATIC_LAUNCH:
                     scalars = [*map(float, coeffs), float(grad_sign), kw, *ks]
                     if len(scalars) == _launch._N_SCALARS:
-                        static.run(dy, x, scalars, dev)
+                        static.run(dy, x, bt, scalars, dev)
                         return
                 a = list(args)
-                a[_launch.ARG_DY], a[_launch.ARG_X] = dy, x
+                a[_launch.ARG_DY], a[_launch.ARG_X], a[_launch.ARG_BT] = dy, x, bt
                 a[_launch.ARG_COEFFS:_launch.ARG_GRAD_SIGN] = [float(c) for c in coeffs]
                 a[_launch.ARG_GRAD_SIGN] = float(grad_sign)
                 a[_launch.ARG_KEYS:] = [kw] + ks

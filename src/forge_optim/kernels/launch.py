@@ -368,7 +368,7 @@ def direct_launch(kernel, grid0: int, args: tuple, meta: tuple, options: dict, n
 
 
 # Argument positions in the fused kernel's signature (see fused.forge_fused_kernel).
-ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 16, 24, 25
+ARG_DY, ARG_X, ARG_BT, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 11, 16, 24, 25
 
 
 def relaunch(compiled, nprogs: int, args, meta: tuple, device: int) -> None:
@@ -436,7 +436,7 @@ class StaticLaunch:
     ``run`` fills in dY, X, the coefficients and keys (see the comment above)."""
 
     __slots__ = ("launcher", "function", "nprogs", "num_warps", "shared", "tys", "template", "i_dy", "i_x",
-                 "i_scalars", "scratch_bytes", "scratch_align", "scratch")
+                 "i_bt", "i_scalars", "scratch_bytes", "scratch_align", "scratch")
 
     @classmethod
     def make(cls, compiled, nprogs: int, args) -> "StaticLaunch | None":
@@ -465,17 +465,21 @@ class StaticLaunch:
             template.append(v)
         self.template = template + [0, 0]
         self.i_dy, self.i_x, self.i_scalars = pos[ARG_DY], pos[ARG_X], pos[ARG_COEFFS]
+        self.i_bt = pos.get(ARG_BT)  # None where Triton made BT a constant (BT == 1)
         self.scratch_bytes = int(md.global_scratch_size) * self.nprogs
         self.scratch_align = int(getattr(md, "global_scratch_align", 1) or 1)
         self.scratch = {}  # stream -> (buffer, its address): the reference keeps the buffer alive
         return self
 
-    def run(self, dy: torch.Tensor, x: torch.Tensor, scalars: list, device: int) -> None:
-        """``scalars``: the 8 coefficients, the gradient sign and the 4 int32 keys, in kernel order."""
+    def run(self, dy: torch.Tensor, x: torch.Tensor, bt: int, scalars: list, device: int) -> None:
+        """``bt``: dY's rows (the caller keeps it in the specialization class this kernel was compiled
+        for); ``scalars``: the 8 coefficients, the gradient sign and the 4 int32 keys, in kernel order."""
         stream = torch._C._cuda_getCurrentRawStream(device)
         a = self.template.copy()
         a[self.i_dy] = dy.data_ptr()
         a[self.i_x] = x.data_ptr()
+        if self.i_bt is not None:
+            a[self.i_bt] = bt
         i = self.i_scalars
         a[i:i + _N_SCALARS] = scalars
         if self.scratch_bytes:
