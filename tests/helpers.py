@@ -114,3 +114,21 @@ def assert_states_unchanged(opt, saved: dict) -> None:
     for p, st in opt.state.items():
         for k, v in st.items():
             assert torch.equal(v, saved[id(p)][k]) if torch.is_tensor(v) else v == saved[id(p)][k], k
+
+
+def unbatched_and_empty_batches_match_torch(backend: str) -> None:
+    """Shared by the torch-backend test here and the Triton one (interpreter): an unbatched 1-D input
+    and an empty batch, through a linear with a bias, step as torch.optim.AdamW does (an empty batch is
+    a zero gradient: decay and moment decay only)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for x in (torch.randn(2, 4), torch.randn(4), torch.randn(0, 4), torch.randn(1, 0, 4), torch.randn(3, 4)):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert opt.fused_modules() == {"": model}
+    assert rel_diff(model, ref_model) < 1e-6

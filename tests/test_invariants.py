@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import forge_optim
-from helpers import TinyNet, assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, twin
+from helpers import (TinyNet, assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, twin,
+                     unbatched_and_empty_batches_match_torch)
 
 TOL = 1e-5
 
@@ -346,6 +347,12 @@ def test_training_goes_on_after_unpatch_with_the_same_optimizer(form):
             o.zero_grad()
     assert opt.unfused_linears()["up"].startswith("unpatched")
     assert rel_diff(model, ref_model) < 1e-5
+
+
+def test_unbatched_input_and_empty_batch_match_torch():
+    """An unbatched 1-D input and an empty batch through a fused linear with a bias step as torch.optim
+    does (the bias gradient of an unbatched input was summed to a scalar, and autograd refused it)."""
+    unbatched_and_empty_batches_match_torch("torch")
 
 
 def test_deepcopy_of_a_patched_model_is_unfused():

@@ -758,6 +758,13 @@ if INTERP:
         assert (names[L.ARG_DY], names[L.ARG_X], names[L.ARG_BT], names[L.ARG_COEFFS], names[L.ARG_GRAD_SIGN],
                 names[L.ARG_KEYS]) == ("dy_ptr", "x_ptr", "BT", "c0", "grad_sign", "key_w")
 
+    def test_unbatched_input_and_empty_batch_through_the_kernel():
+        """The Triton backend (BT = 1 from an unbatched input, BT = 0 from an empty batch) steps as
+        torch.optim.AdamW does."""
+        from helpers import unbatched_and_empty_batches_match_torch
+
+        unbatched_and_empty_batches_match_torch("triton")
+
     def test_sparse_embedding_through_the_kernel():
         """An embedding's row-sparse gradient, densified chunk by chunk into the BT=0 launch, equals
         torch.optim.AdamW on the dense gradient."""

@@ -92,7 +92,10 @@ class FusedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = input_grad(grad_out, w, ctx.x_dtype)
         if ctx.needs_input_grad[2]:
-            db = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
+            if grad_out.dim() == 1:  # an unbatched input: sum(()) would sum over every dimension
+                db = grad_out.to(ctx.bias_dtype, copy=True)
+            else:
+                db = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
         ctx.handle.consume(grad_out, x, ctx.use)
         return dx, None, db, None, None
 
