@@ -1,4 +1,5 @@
 """Hugging Face models: parity with torch.optim, tied embeddings, gradient checkpointing, autocast."""
+import contextlib
 import copy
 
 import pytest
@@ -120,14 +121,15 @@ def test_three_d_and_non_contiguous_inputs():
     assert rel_diff(lin, ref) <= TOL
 
 
-def _trainer_run(model, optimizers, out_dir, steps=3):
+def _trainer_run(model, optimizers, out_dir, steps=3, accumulation=1):
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": torch.randint(0, 64, (12,), generator=g)} for _ in range(8)]
     for d in data:
         d["labels"] = d["input_ids"].clone()
     args = transformers.TrainingArguments(
         output_dir=str(out_dir), max_steps=steps, per_device_train_batch_size=2, max_grad_norm=0,
-        gradient_accumulation_steps=1, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+        gradient_accumulation_steps=accumulation, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+        seed=0)
     transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=optimizers).train()
 
 
@@ -145,3 +147,70 @@ def test_hf_trainer_with_the_readme_recipe(tmp_path):
     assert int(opt.state[h.param]["step"]) == 3
     assert rel_diff(model, ref_model) <= 1e-5
 
+
+def test_hf_trainer_gradient_accumulation_is_exact(tmp_path):
+    """The Trainer's own gradient accumulation (gradient_accumulation_steps=2): accelerate marks the
+    non-final micro-steps, where the fused layers add their gradient to a buffer; the last micro-step's
+    backward applies one update with the summed gradient. Same result as the Trainer with
+    torch.optim.AdamW, one optimizer step per two micro-batches, and no "several updates" warning."""
+    import warnings
+
+    model = tiny_llama()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01, sparse_embeddings=False)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*backward passes since the last")
+        for m, o, d in ((model, opt, "forge"), (ref_model, ref, "torch")):
+            _trainer_run(m, (o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 - s / 10)), tmp_path / d,
+                         accumulation=2)
+    h = opt._handles["model.layers.0.mlp.up_proj"]
+    assert int(opt.state[h.param]["step"]) == 3 and h.buffer is None
+    assert rel_diff(model, ref_model) <= 1e-5
+
+
+
+def test_accelerate_accumulate_loop_is_exact():
+    """A plain accelerate loop with ``accelerator.accumulate(model)`` (gradient_accumulation_steps=3): the
+    non-final micro-steps buffer the fused gradients, the last applies them. Two optimizer steps give
+    bit for bit what ``opt.accumulate()`` gives in a loop of one's own (tested against torch.optim in
+    test_accumulate_and_checkpoints.py); the first equals the same accelerate loop with torch.optim.AdamW
+    to fp32 round-off (from the second on, Adam amplifies round-off for every implementation alike:
+    helpers.adam_bound)."""
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+
+    model = tiny_llama()
+    ref_model, own_model = copy.deepcopy(model), copy.deepcopy(model)
+    batches = hf_batches(6)
+    after_first = {}
+
+    def accelerate_loop(m, opt, name):
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+        acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=3)
+        pm, popt = acc.prepare(m, opt)
+        for i, ids in enumerate(batches):
+            with acc.accumulate(pm):
+                acc.backward(pm(input_ids=ids, labels=ids).loss)
+                popt.step()
+                popt.zero_grad()
+            if i == 2:
+                after_first[name] = copy.deepcopy(m)
+        GradientState._reset_state()
+
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
+    accelerate_loop(model, opt, "forge")
+    accelerate_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False),
+                    "torch")
+    own = forge_optim.AdamW(own_model, lr=1e-2, weight_decay=0.01)
+    for i, ids in enumerate(batches):
+        with own.accumulate() if i % 3 != 2 else contextlib.nullcontext():
+            (own_model(input_ids=ids, labels=ids).loss / 3).backward()
+        if i % 3 == 2:
+            own.step()
+            own.zero_grad()
+    h = opt._handles["model.layers.0.mlp.up_proj"]
+    assert int(opt.state[h.param]["step"]) == 2 and h.buffer is None
+    assert rel_diff(model, own_model) == 0.0
+    assert rel_diff(after_first["forge"], after_first["torch"]) <= 1e-6

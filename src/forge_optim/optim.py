@@ -9,6 +9,7 @@ biases, tied or shared weights) with the same rule, LR schedulers edit ``param_g
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from collections import defaultdict
@@ -71,6 +72,16 @@ def graph_capture_error(what: str) -> RuntimeError:
 
 # What a backward asks of a fused weight (FusedWeight.asked)
 UPDATE, SKIP, RETAINED = 0, 1, 2
+
+
+def accelerate_defers_step() -> bool:
+    """True in a non-final micro-step of Hugging Face accelerate's gradient accumulation: the Trainer
+    with ``gradient_accumulation_steps > 1`` sets ``sync_gradients`` before each micro-step (and
+    ``accelerator.accumulate(model)`` does the same), and steps the optimizer only after the last one.
+    A fused layer then adds its gradient to its buffer, as inside ``opt.accumulate()``. Read from
+    accelerate's shared state only if accelerate was imported (~0.1 us a call)."""
+    state = sys.modules.get("accelerate.state")
+    return state is not None and state.GradientState._shared_state.get("sync_gradients", True) is False
 
 
 class FusedWeight:
@@ -191,10 +202,11 @@ class FusedWeight:
             dy = dy.reshape(-1, dy.shape[-1])
         if x.dim() != 2:
             x = x.reshape(-1, x.shape[-1])
-        if opt._accumulating or asked == RETAINED or self.pending_fwd or self.pending_rec or self.pending_traced:
-            # Another use of this weight still needs the old W, or we are inside accumulate(), or the
-            # graph is retained for another backward: add this gradient to the fp32 buffer and update
-            # after the last use (or in opt.step()).
+        if (opt._accumulating or asked == RETAINED or self.pending_fwd or self.pending_rec or self.pending_traced
+                or accelerate_defers_step()):
+            # Another use of this weight still needs the old W, or we are inside accumulate() (or a
+            # non-final micro-step of accelerate's accumulation), or the graph is retained for another
+            # backward: add this gradient to the fp32 buffer and update after the last use (or in opt.step()).
             if self.buffer is None:
                 w = dtensor.local(self.param)
                 self.buffer = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
