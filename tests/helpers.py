@@ -132,3 +132,43 @@ def unbatched_and_empty_batches_match_torch(backend: str) -> None:
             o.zero_grad()
     assert opt.fused_modules() == {"": model}
     assert rel_diff(model, ref_model) < 1e-6
+
+
+def bf16_accumulation_matches_reference(backend: str, device: str = "cpu") -> None:
+    """accumulate_dtype="bf16": after two micro-steps inside ``opt.accumulate()`` each fused layer's buffer is
+    bf16 and holds the micro-step gradients summed as torch's bf16 ``.grad`` sums them (fp32 sum of the
+    buffer and the new gradient, rounded to nearest: within one bf16 step of that reference, which
+    differs only by the GEMM's summation order); the final backward applies AdamW to the buffer plus the
+    last gradient, which equals torch.optim.AdamW given that gradient, to fp32 round-off."""
+    model, ref_model = (m.to(device) for m in twin())
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend, accumulate_dtype="bf16")
+    data = [tuple(t.to(device) for t in b) for b in batches(3)]
+    fused = {n: m.weight for n, m in opt.fused_modules().items()}
+    for b in data[:2]:
+        with opt.accumulate():
+            loss_fn(model, b).backward()
+    bufs = {n: opt._handles[n].buffer.clone() for n in fused}
+    assert all(b.dtype == torch.bfloat16 for b in bufs.values())
+    grads = []  # each micro-batch's exact gradients, from the reference model (weights unchanged so far)
+    for b in data:
+        ref_model.zero_grad()
+        loss_fn(ref_model, b).backward()
+        grads.append({n: p.grad.clone() for n, p in ref_model.named_parameters()})
+    for n in fused:
+        expected = grads[0][n + ".weight"].to(torch.bfloat16)
+        expected = (expected.float() + grads[1][n + ".weight"]).to(torch.bfloat16).float()
+        assert ((bufs[n].float() - expected).abs() <= 2.0 ** -7 * expected.abs() + 1e-30).all(), n
+        # rounded to nearest, not truncated: a summation-order difference flips only the odd near-tie
+        assert (bufs[n].float() == expected).float().mean() > 0.9, (n, (bufs[n].float() == expected).float().mean())
+    loss_fn(model, data[2]).backward()  # the final micro-step: one update with the buffer + this gradient
+    opt.step()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for n, p in ref_model.named_parameters():
+        module = n.rsplit(".", 1)[0]
+        if module in fused and n.endswith("weight"):
+            p.grad = bufs[module].float() + grads[2][n]
+        else:
+            p.grad = (grads[0][n] + grads[1][n]) + grads[2][n]
+    ref.step()
+    assert all(opt._handles[n].buffer is None for n in fused)
+    assert rel_diff(model, ref_model) <= 1e-5

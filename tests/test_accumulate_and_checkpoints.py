@@ -7,7 +7,8 @@ import torch
 
 import forge_optim
 from forge_optim.optim import _as_2d
-from helpers import assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, twin
+from helpers import (assert_states_unchanged, batches, bf16_accumulation_matches_reference, loss_fn, rel_diff,
+                     states_snapshot, twin)
 
 TOL = 1e-5
 
@@ -34,6 +35,16 @@ def test_accumulate_equals_optimizer_on_summed_gradient(final_outside):
         ref.zero_grad()
         assert all(h.buffer is None for h in opt._handles.values())  # buffer lives only in the window
     assert rel_diff(model, ref_model) <= TOL
+
+
+def test_bf16_accumulation_buffer():
+    """accumulate_dtype="bf16" halves the buffer (2 B/param, as torch's bf16 .grad): see the helper."""
+    bf16_accumulation_matches_reference("torch")
+
+
+def test_accumulate_dtype_is_checked():
+    with pytest.raises(ValueError, match="accumulate_dtype must be 'fp32' or 'bf16'"):
+        forge_optim.AdamW(twin()[0], accumulate_dtype="fp16")
 
 
 def test_accumulation_without_accumulate_warns_once(recwarn):

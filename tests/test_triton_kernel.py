@@ -758,6 +758,13 @@ if INTERP:
         assert (names[L.ARG_DY], names[L.ARG_X], names[L.ARG_BT], names[L.ARG_COEFFS], names[L.ARG_GRAD_SIGN],
                 names[L.ARG_KEYS]) == ("dy_ptr", "x_ptr", "BT", "c0", "grad_sign", "key_w")
 
+    def test_bf16_accumulation_buffer_through_the_kernel():
+        """The kernel's accumulate mode on a bf16 buffer (fp32 sum, rounded to nearest) and the final
+        update reading it: see the helper."""
+        from helpers import bf16_accumulation_matches_reference
+
+        bf16_accumulation_matches_reference("triton")
+
     def test_unbatched_input_and_empty_batch_through_the_kernel():
         """The Triton backend (BT = 1 from an unbatched input, BT = 0 from an empty batch) steps as
         torch.optim.AdamW does."""
@@ -1298,6 +1305,17 @@ def test_gpu_prepared_launch_matches_full_path(monkeypatch, state_dtype):
     """The prepared launch plans relaunch the compiled kernel directly on the GPU: same bits as the
     full path (see test_prepared_launch_matches_full_path)."""
     prepared_vs_full(monkeypatch, state_dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_accumulation_buffer(monkeypatch):
+    """The kernel's accumulate mode on a bf16 buffer on the GPU (a plain store there, rounded to nearest
+    by the conversion), and the final update reading it: see helpers.bf16_accumulation_matches_reference."""
+    from forge_optim.kernels.launch import GPU_TEST_CONFIG
+    from helpers import bf16_accumulation_matches_reference
+
+    monkeypatch.setenv("FORGE_TRITON_CONFIG", GPU_TEST_CONFIG.env())
+    bf16_accumulation_matches_reference("triton", "cuda")
 
 
 @pytest.mark.gpu

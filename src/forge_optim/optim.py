@@ -209,7 +209,7 @@ class FusedWeight:
             # backward: add this gradient to the fp32 buffer and update after the last use (or in opt.step()).
             if self.buffer is None:
                 w = dtensor.local(self.param)
-                self.buffer = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+                self.buffer = torch.zeros(w.shape, dtype=opt.accumulate_dtype, device=w.device)
             opt._backend_for(self.param).accumulate(self.buffer, dy, x)
             self.retained = self.retained or asked == RETAINED
             return
@@ -263,7 +263,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, defaults: dict, *, params=None, state_dtype: str | None = None,
                  stochastic_rounding: bool | None = None, backend: str = "auto", exclude=(),
                  nonfinite: str = "skip", block_rows: int = 256, seed: int = 0, sparse_embeddings: bool = True,
-                 **torch_flags):
+                 accumulate_dtype: str = "fp32", **torch_flags):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(f"forge_optim.{name} takes the model first (it patches the model's nn.Linear "
@@ -273,7 +273,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if key not in _TORCH_ONLY_FLAGS:
                 valid = sorted(list(defaults) + ["params", "state_dtype", "stochastic_rounding", "backend",
                                                  "exclude", "nonfinite", "block_rows", "seed",
-                                                 "sparse_embeddings"])
+                                                 "sparse_embeddings", "accumulate_dtype"])
                 raise TypeError(f"forge_optim.{name}: unknown option {key!r}; valid options: {', '.join(valid)}")
             if key in ("capturable", "differentiable") and value:
                 raise ValueError(f"forge_optim.{name}: {key}=True is not supported")
@@ -286,6 +286,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
             ok, why = triton_available()
             if not ok:
                 raise RuntimeError(f"backend='triton' cannot run: {why}")
+        if accumulate_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"accumulate_dtype must be 'fp32' or 'bf16' (the gradient buffer of accumulation, "
+                             f"retained graphs and reused weights), got {accumulate_dtype!r}")
         if nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
         if int(block_rows) < 1:
@@ -297,6 +300,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self.nonfinite_mode = nonfinite
         self.block_rows = int(block_rows)
         self.seed = int(seed)
+        # the gradient buffer's dtype: fp32 (4 B/param while a buffer lives; sums to fp32 round-off), or bf16
+        # (2 B/param, as torch's bf16 .grad accumulates: each micro-step's sum rounded to nearest)
+        self.accumulate_dtype = torch.float32 if accumulate_dtype == "fp32" else torch.bfloat16
         self._accumulating = 0
         self._any_detached = False  # a handle was detached (unpatched) since step() last looked
         self._warned_repeat = False  # the "several updates per opt.step()" warning is shown once

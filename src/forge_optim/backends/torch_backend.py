@@ -83,7 +83,10 @@ class TorchBackend(Backend):
     def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy32, x32 = dy.float(), x.float()
         for r0, r1 in self._row_blocks(buffer.shape[0]):
-            buffer[r0:r1].addmm_(dy32[:, r0:r1].t(), x32)
+            if buffer.dtype == torch.float32:
+                buffer[r0:r1].addmm_(dy32[:, r0:r1].t(), x32)
+            else:  # a bf16 buffer: the sum in fp32, stored rounded to nearest (as the kernel stores it)
+                buffer[r0:r1].copy_(torch.addmm(buffer[r0:r1].float(), dy32[:, r0:r1].t(), x32))
 
     def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
         rows, cols = job.weight.shape

@@ -123,7 +123,7 @@ class TritonBackend(Backend):
 
     def accumulate(self, buffer: torch.Tensor, dy: torch.Tensor, x: torch.Tensor) -> None:
         dy, x = _inputs(dy, x)
-        ok = (buffer.dim() == 2 and buffer.is_contiguous() and buffer.dtype == torch.float32
+        ok = (buffer.dim() == 2 and buffer.is_contiguous() and buffer.dtype in (torch.float32, torch.bfloat16)
               and self._device_ok(buffer) and dy.device == buffer.device and x.device == buffer.device
               and dy.shape[1] == buffer.shape[0] and x.shape[1] == buffer.shape[1]
               and dy.shape[0] == x.shape[0])

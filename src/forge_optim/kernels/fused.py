@@ -10,7 +10,7 @@ tile it accumulates ``G = dY[:, rows]^T X[:, cols]`` in fp32 registers over the 
   (a constexpr JIT function), keeps old values where G is not finite (counting those coordinates
   into ``nonfinite``), and stores W and states back (bf16 by stochastic rounding or RNE, int8 by
   per-64-block absmax quantization). The gradient never exists in memory.
-- MODE_ACCUMULATE: fp32 ``buffer += G``.
+- MODE_ACCUMULATE: ``buffer += G`` (an fp32 buffer, or a bf16 one rounded to nearest).
 
 With ``PREFETCH`` (GPU only) each tile's W, states and buffer are requested into L2 before its
 mainloop (``_prefetch_l2``), so the epilogue's loads hit L2 (kernel v4 in benchmarks/NOTES.md).
@@ -251,7 +251,11 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
     base = row0.to(tl.int64) * N + col0
     rel = tl.arange(0, BM)[:, None] * N + tl.arange(0, BN)[None, :]
     if MODE == 1:
-        tl.store(buf_ptr + base + rel, b_raw + acc, mask=mask)
+        if buf_ptr.dtype.element_ty == tl.bfloat16:  # a bf16 buffer (accumulate_dtype="bf16"): fp32 sum, to nearest
+            total = b_raw.to(tl.float32) + acc
+            tl.store(buf_ptr + base + rel, _to_bf16(total, rel.to(tl.uint32), 0, False, INTERPRET, False), mask=mask)
+        else:
+            tl.store(buf_ptr + base + rel, b_raw + acc, mask=mask)
     else:
         g = acc
         if HAS_BUF:  # an fp32 buffer, or a bf16 gradient read in place (update_from_grad): exact upcast
