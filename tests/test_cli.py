@@ -83,7 +83,10 @@ def test_train_grad_accum_and_bf16_int8(tmp_path):
     rc, out = run_train(tmp_path, "--grad-accum", "2", "--no-progress", steps=6, name="accum")
     assert rc == 0 and len(read_metrics(out)) == 6
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["extra"]["tokens_per_step"] == 8 * 32 * 2
+    assert cfg["extra"]["tokens_per_step"] == 8 * 32 * 2 and cfg["accumulate_dtype"] == "fp32"
+    rc, out = run_train(tmp_path, "--grad-accum", "2", "--accumulate-dtype", "bf16", "--no-progress", steps=3,
+                        name="accum-bf16")
+    assert rc == 0 and json.loads((out / "config.json").read_text())["accumulate_dtype"] == "bf16"
     rc, out = run_train(tmp_path, "--dtype", "bf16", "--state-dtype", "int8", "--no-progress",
                         steps=15, name="bf16")
     assert rc == 0

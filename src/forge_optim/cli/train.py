@@ -74,6 +74,7 @@ class TrainConfig:
     beta2: float | None = None
     momentum: float | None = None  # SGD (default 0.9) and RMSprop (default 0)
     state_dtype: str | None = None  # fp32 | bf16 | int8; None: the weight's dtype
+    accumulate_dtype: str = "fp32"  # the fused layers' gradient buffer across --grad-accum micro-steps
     stochastic_rounding: bool | None = None  # None: forge_optim's default (on for bf16)
     backend: str = "auto"  # auto | torch | triton
     compile: bool = False  # torch.compile(model) for the training steps (evaluation stays eager)
@@ -118,6 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=float, default=None, help="SGD (default 0.9) and RMSprop (default 0)")
     g.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default=None,
                    help="optimizer state precision (default: the weight's dtype)")
+    g.add_argument("--accumulate-dtype", choices=["fp32", "bf16"], default=d.accumulate_dtype,
+                   help="gradient buffer of the fused layers across --grad-accum micro-steps (bf16: half the memory)")
     g.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_const",
                    const=False, default=None, help="round-to-nearest for bf16 weights and states")
     g.add_argument("--backend", choices=["auto", "torch", "triton"], default=d.backend,
@@ -183,7 +186,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float, wd: flo
     import forge_optim
     cls = getattr(forge_optim, cls_name)
     return cls(model, params=groups, state_dtype=cfg.state_dtype, stochastic_rounding=cfg.stochastic_rounding,
-               backend=cfg.backend, **kw)
+               backend=cfg.backend, accumulate_dtype=cfg.accumulate_dtype, **kw)
 
 
 def compress_names(names: list[str]) -> list[str]:
