@@ -247,7 +247,8 @@ class LaunchPlan:
         regime = bt_regime(dy.shape[0])  # the token counts that share this plan's config: (lo, hi]
         self.bt_lo, self.bt_hi = (-1, 0) if regime == 0 else (0 if regime == 64 else regime // 2, regime)
         self.device = job.weight.device
-        # (dY aligned, X aligned, device, BT == 1, BT % 16 == 0: what Triton specializes BT on)
+        # (dY aligned, X aligned, device, BT == 1, BT % 16 == 0: what Triton would specialize an int on, as
+        # direct_launch keys its cache; BT is do_not_specialize in the kernel, so only a safeguard)
         #   -> (compiled, nprogs, args, meta, StaticLaunch or None)
         self.by_class: dict[tuple, tuple] = {}
 
