@@ -180,8 +180,8 @@ def compare(job, ref, mode, what):
 
 def prepared_vs_full(monkeypatch, state_dtype, device):
     """Train twice, with and without the prepared launch plans: the bits must be equal. The token count
-    changes every step inside one tuning regime (5, 7, 16, 3, 9, 1: what Triton specializes BT on, 1 and
-    multiples of 16, included), and the plans serve every step they are valid for."""
+    changes every step inside one tuning regime (5, 7, 16, 3, 9, 1: the plan's BT classes, 1 and multiples
+    of 16, included), and the plans serve every step they are valid for."""
 
     import forge_optim
     from forge_optim import optim as optim_mod
@@ -723,8 +723,8 @@ if INTERP:
         assert len(static_calls) == 1 and len(relaunches) == 1
         assert relaunches[0][L.ARG_BT] == BT0 + 2
 
-        # BT = 48 and BT = 1 are other specializations (Triton compiles BT % 16 == 0 and BT == 1 apart):
-        # each gets its own record through launch(), never a kernel compiled for another class
+        # BT = 48 and BT = 1 are the plan's other classes (what Triton would specialize an int on; BT is
+        # do_not_specialize, so a safeguard): each gets its own record through launch()
         monkeypatch.setattr(L, "STATIC_LAUNCH", True)
         for bt in (48, 1):
             dyb, xb = exact_inputs(bt, M0, N0, seed=5)
@@ -1322,9 +1322,8 @@ def test_gpu_bf16_accumulation_buffer(monkeypatch):
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
 def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
     """The prepared plans' static launch (torch's C++ launcher, plain-integer pointers) writes the bits
-    of Triton's own launcher, step after step, with new inputs, token counts (two of Triton's BT
-    specializations), coefficients, keys and a maximize flip; and it is what the plans actually take on
-    this GPU."""
+    of Triton's own launcher, step after step, with new inputs, token counts (two of the plan's BT
+    classes), coefficients, keys and a maximize flip; and it is what the plans actually take on this GPU."""
     import forge_optim
     from forge_optim.kernels import launch as L
     from forge_optim.kernels.launch import GPU_TEST_CONFIG
