@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import forge_optim
-from helpers import CASES, TinyNet, batches, forge_class, loss_fn, rel_diff, twin
+from helpers import CASES, batches, forge_class, loss_fn, rel_diff, twin
 
 TOL = 1e-5
 

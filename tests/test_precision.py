@@ -9,7 +9,7 @@ import forge_optim
 from forge_optim import precision
 from forge_optim.backends import StateView, UpdateJob, apply_update
 from forge_optim.rules import AdamW as AdamWRule
-from helpers import batches, loss_fn, rel_diff, twin
+from helpers import batches, loss_fn, twin
 
 QUARTER_ULP = 2.0**-10  # bf16 ULP on [0.5, 1) is 2**-8
 

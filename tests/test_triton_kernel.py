@@ -11,7 +11,6 @@ Two halves:
 from __future__ import annotations
 
 import copy
-import math
 import os
 import subprocess
 import sys
@@ -1130,7 +1129,6 @@ def test_gpu_split_schedule_matches_fused(mode):
 @pytest.mark.gpu
 def test_gpu_fp32_inputs_ieee():
     """fp32 dy and x use an ieee fp32 dot (no tf32): the gradient matches cuBLAS fp32."""
-    from forge_optim.backends.triton_backend import TritonBackend
 
     torch.backends.cuda.matmul.allow_tf32 = False
     M, N, BT = 4096, 4096, 512
@@ -1181,7 +1179,6 @@ def test_gpu_bf16_state_sr_quarter_ulp():
 @pytest.mark.parametrize("stochastic", [True, False])
 def test_gpu_bf16_sr_quarter_ulp(stochastic):
     """100 steps of +1/4 ULP: SR moves the mean by 25 ULP (unbiased); RNE never moves."""
-    from forge_optim.backends.triton_backend import TritonBackend
 
     M, N, BT = 4096, 4096, 512
     ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
@@ -1246,7 +1243,6 @@ def test_gpu_int8_and_bf16_vs_torch_backend(shape, BT):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp32", "bf16-sr", "int8"])
 def test_gpu_nonfinite_never_written(mode):
-    from forge_optim.backends.triton_backend import TritonBackend
 
     M, N, BT = 4096, 4096, 512
     job = make_job("AdamW", mode, M, N, device="cuda", seed=3)
