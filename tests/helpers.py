@@ -78,6 +78,17 @@ def loss_fn(model, batch):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
 
 
+def step_both(model, ref_model, opt, ref, n=4, loss=loss_fn, data=None):
+    """Train ``model`` with ``opt`` and ``ref_model`` with ``ref`` on the same batches (``data``, or
+    ``batches(n)``); ``opt`` or ``ref`` may be a list of optimizers over disjoint parts of one model."""
+    for batch in batches(n) if data is None else data:
+        for m, opts in ((model, opt), (ref_model, ref)):
+            loss(m, batch).backward()
+            for o in opts if isinstance(opts, (list, tuple)) else (opts,):
+                o.step()
+                o.zero_grad()
+
+
 def twin(seed=0, factory=TinyNet, **kw):
     torch.manual_seed(seed)
     a = factory(**kw)
@@ -125,11 +136,8 @@ def unbatched_and_empty_batches_match_torch(backend: str) -> None:
     ref_model = copy.deepcopy(model)
     opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1, backend=backend)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    for x in (torch.randn(2, 4), torch.randn(4), torch.randn(0, 4), torch.randn(1, 0, 4), torch.randn(3, 4)):
-        for m, o in ((model, opt), (ref_model, ref)):
-            m(x).square().sum().backward()
-            o.step()
-            o.zero_grad()
+    step_both(model, ref_model, opt, ref, loss=lambda m, x: m(x).square().sum(),
+              data=(torch.randn(2, 4), torch.randn(4), torch.randn(0, 4), torch.randn(1, 0, 4), torch.randn(3, 4)))
     assert opt.fused_modules() == {"": model}
     assert rel_diff(model, ref_model) < 1e-6
 

@@ -9,18 +9,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import forge_optim
-from helpers import (TinyNet, assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, twin,
+from helpers import (TinyNet, assert_states_unchanged, batches, loss_fn, rel_diff, states_snapshot, step_both, twin,
                      unbatched_and_empty_batches_match_torch)
 
 TOL = 1e-5
-
-
-def step_both(model, ref_model, opt, ref, n=4, loss=loss_fn):
-    for batch in batches(n):
-        for m, o in ((model, opt), (ref_model, ref)):
-            loss(m, batch).backward()
-            o.step()
-            o.zero_grad()
 
 
 def test_weight_updated_when_backward_returns_and_grad_stays_none():
@@ -215,15 +207,12 @@ def test_weights_unfrozen_later_train_as_with_torch_optim():
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     assert opt.unfused_linears()["up"].startswith("frozen") and "unfrozen later" in opt.unfused_linears()["up"]
     frozen = model.up.weight.detach().clone()
-    for i, batch in enumerate(batches(5)):
-        if i == 2:
-            for m in (model, ref_model):
-                m.up.requires_grad_(True)
-                m.norm.requires_grad_(True)
-        for m, o in ((model, opt), (ref_model, ref)):
-            loss_fn(m, batch).backward()
-            o.step()
-            o.zero_grad()
+    data = batches(5)
+    step_both(model, ref_model, opt, ref, data=data[:2])
+    for m in (model, ref_model):
+        m.up.requires_grad_(True)
+        m.norm.requires_grad_(True)
+    step_both(model, ref_model, opt, ref, data=data[2:])
     assert not torch.equal(model.up.weight, frozen)
     assert rel_diff(model, ref_model) <= TOL
     torch.optim.AdamW(ref_model.parameters(), lr=1e-2).load_state_dict(opt.state_dict())
@@ -337,14 +326,11 @@ def test_training_goes_on_after_unpatch_with_the_same_optimizer(form):
     model, ref_model = twin()
     opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    for i, batch in enumerate(batches(5)):
-        if i == 2:
-            opt.unpatch() if form == "opt.unpatch()" else forge_optim.unpatch(model)
-            assert opt.fused_modules() == {} and type(model.up) is nn.Linear
-        for m, o in ((model, opt), (ref_model, ref)):
-            loss_fn(m, batch).backward()
-            o.step()
-            o.zero_grad()
+    data = batches(5)
+    step_both(model, ref_model, opt, ref, data=data[:2])
+    opt.unpatch() if form == "opt.unpatch()" else forge_optim.unpatch(model)
+    assert opt.fused_modules() == {} and type(model.up) is nn.Linear
+    step_both(model, ref_model, opt, ref, data=data[2:])
     assert opt.unfused_linears()["up"].startswith("unpatched")
     assert rel_diff(model, ref_model) < 1e-5
 

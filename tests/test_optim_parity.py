@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import forge_optim
-from helpers import CASES, batches, forge_class, loss_fn, rel_diff, twin
+from helpers import CASES, batches, forge_class, loss_fn, rel_diff, step_both, twin
 
 TOL = 1e-5
 
@@ -98,20 +98,10 @@ def test_two_optimizers_over_disjoint_parameters_of_one_model():
     refs = [adamw_ref(ra, **adamw_kw), lion_ref(rb, **lion_kw)]
     assert set(opts[0].fused_modules()) == {"up"} and set(opts[1].fused_modules()) == {"down", "head"}
     assert opts[1].unfused_linears()["up"] == "fused by another forge_optim optimizer"
-    for batch in batches(5):
-        for m, os_ in ((model, opts), (ref_model, refs)):
-            loss_fn(m, batch).backward()
-            for o in os_:
-                o.step()
-                o.zero_grad()
+    step_both(model, ref_model, opts, refs, n=5)
     assert rel_diff(model, ref_model) < TOL
     opts[0].unpatch()  # "up" is then stepped by opts[0].step() from its .grad, the same update
     assert set(opts[1].fused_modules()) == {"down", "head"} and not opts[0].fused_modules()
     assert type(model.up) is torch.nn.Linear and model.down._forge_handle is opts[1]._handles["down"]
-    for batch in batches(2, seed=7):
-        for m, os_ in ((model, opts), (ref_model, refs)):
-            loss_fn(m, batch).backward()
-            for o in os_:
-                o.step()
-                o.zero_grad()
+    step_both(model, ref_model, opts, refs, data=batches(2, seed=7))
     assert rel_diff(model, ref_model) < TOL
