@@ -14,7 +14,8 @@ paths applies a real AdamW step to the weight (the figures do not depend on its 
 launch replaced by a no-op, so ``plan.run`` packs a full launch's arguments there and is not timed):
 ``_step_scalars`` and its parts, ``_FastPath.valid``, ``_locate``, the compiled backward's update op
 with 3-D and with 2-D dY and X, and ``_fused_update`` with a fixed token count and with one that
-changes every call (batches of varying length).
+changes every call (batches of varying length); and accumulation's two paths (a micro-step's buffer
+add, the final update with a buffer).
 """
 from __future__ import annotations
 
@@ -160,6 +161,12 @@ def cpu_main(a):
     def varying():
         opt._fused_update(h, *cycle[next(turn) % 4])
 
+    backend, buf = opt._backend_for(w), torch.zeros(a.dim, a.dim)
+
+    def final_with_buffer():
+        h.buffer = buf
+        opt._fused_update(h, dy2, x2)
+
     def keys():
         base = precision.step_key(opt.seed, idx, 5)
         return [precision.site_key(base, precision.SITE_WEIGHT)] + [
@@ -177,7 +184,9 @@ def cpu_main(a):
              ("fused_linear_update op, 3-D dY and X", lambda: op(dy3, x3, None, alias, h.id)),
              ("fused_linear_update op, 2-D dY and X", lambda: op(dy2, x2, None, alias, h.id)),
              ("_fused_update, BT fixed", lambda: opt._fused_update(h, dy2, x2)),
-             ("_fused_update, BT cycling over 4 values", varying)]
+             ("_fused_update, BT cycling over 4 values", varying),
+             ("backend.accumulate (a non-final micro-step)", lambda: backend.accumulate(buf, dy2, x2)),
+             ("_fused_update with a buffer (the final micro-step)", final_with_buffer)]
     res = {}
     with torch.no_grad():
         for name, fn in timed:
