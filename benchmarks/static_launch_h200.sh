@@ -8,8 +8,8 @@ OUTD=${1:-${OUT:-/tmp/static-launch}}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 FORGE_STATIC_LAUNCH=1
 mkdir -p "$OUTD"
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv > "$OUTD/gpu.csv" 2>&1
-timeout 150 python3 -m pytest -q -m gpu tests/test_triton_kernel.py -k "static or direct or prepared or bf16_accumulation" 2>&1 \
+timeout 150 python3 -m pytest -q -m gpu tests/test_triton_kernel.py -k "static or direct or prepared or bf16_accumulation or thread" 2>&1 \
   | tee "$OUTD/gpu-tests.log" | tail -5
-timeout 60 python3 benchmarks/update_host_cost.py --out "$OUTD/update-host-cost.json" 2>&1 | tail -20
+timeout 60 python3 benchmarks/update_host_cost.py --out "$OUTD/update-host-cost.json" 2>&1 | tee "$OUTD/update-host-cost.log" | tail -20
 timeout 330 python3 benchmarks/compiled_ab.py --layers 8 --rounds 20 \
-  --variants none,new,new-triton,none-eager,eager,eager-triton --out "$OUTD/ab-8l.json" 2>&1 | tail -22
+  --variants none,new,new-triton,none-eager,eager,eager-triton --out "$OUTD/ab-8l.json" 2>&1 | tee "$OUTD/ab-8l.log" | tail -22

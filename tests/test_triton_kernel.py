@@ -1352,3 +1352,57 @@ def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
             assert all(rec[4] is not None for h in opt._handles.values() for rec in h.fast.plan.by_class.values())
     for a, b in zip(runs[True], runs[False]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_prepared_plan_runs_from_another_thread(monkeypatch):
+    """A plan recorded in autograd's backward thread relaunches through Triton's launcher from another
+    thread: Triton's TMA scratch allocator is per thread, and the relaunch set it only where the plan was
+    made ("no allocator was set" before 2026-12-05). The update it applies equals the same update's
+    launch from the recording thread."""
+    import threading
+
+    import forge_optim
+    from forge_optim.kernels import launch as L
+    from forge_optim.kernels.launch import GPU_TEST_CONFIG
+
+    monkeypatch.setenv("FORGE_TRITON_CONFIG", GPU_TEST_CONFIG.env())
+    monkeypatch.setattr(L, "STATIC_LAUNCH", False)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(128, 128, bias=False).to("cuda", torch.bfloat16)
+    opt = forge_optim.AdamW(lin, lr=1e-2, weight_decay=0.1, backend="triton", state_dtype="bf16")
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):  # the full path, then the plan's first launch (recorded in the backward thread)
+        lin(x).float().square().mean().backward()
+        opt.step()
+    h = next(iter(opt._handles.values()))
+    plan = h.fast.plan
+    assert plan.by_class, "no launch was recorded"
+    gi, idx = opt._locate(h.param)
+    coeffs, kw, ks = opt._step_scalars(opt.param_groups[gi], h.fast.state, idx, h.fast.specs)
+    dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    before = (h.param.detach().clone(), [v.clone() for v in opt.state[h.param].values() if v.dim() > 0])
+    errors = []
+
+    def launch_here():
+        try:
+            plan.run(dy, x, coeffs, 1.0, kw, ks)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    worker = threading.Thread(target=launch_here)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    from_thread = (h.param.detach().clone(), [v.clone() for v in opt.state[h.param].values() if v.dim() > 0])
+    with torch.no_grad():
+        h.param.copy_(before[0])
+        for v, b in zip([v for v in opt.state[h.param].values() if v.dim() > 0], before[1]):
+            v.copy_(b)
+    plan.run(dy, x, coeffs, 1.0, kw, ks)
+    torch.cuda.synchronize()
+    assert not torch.equal(from_thread[0], before[0])
+    assert torch.equal(h.param, from_thread[0])
+    for v, t in zip([v for v in opt.state[h.param].values() if v.dim() > 0], from_thread[1]):
+        assert torch.equal(v, t)

@@ -374,6 +374,9 @@ ARG_DY, ARG_X, ARG_BT, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 11, 16, 24, 2
 def relaunch(compiled, nprogs: int, args, meta: tuple, device: int) -> None:
     """Launch an already compiled kernel with ``args`` (same specialization as when it was compiled:
     the caller guarantees it). No argument inspection at all."""
+    # Triton's allocator is per thread (a ContextVar): a plan made in autograd's backward thread and run
+    # from the main one (the update a step applies from a buffer; a benchmark) must set it here too.
+    _ensure_allocator()
     compiled.run(nprogs, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *meta)
 
