@@ -388,13 +388,14 @@ def relaunch(compiled, nprogs: int, args, meta: tuple, device: int) -> None:
 # tensors). A prepared plan's weight, state and buffer pointers never change, so the plan can hand
 # the kernel plain integers through torch's C++ launcher for Triton kernels
 # (torch._C._StaticCudaLauncher, which inductor launches its own kernels with): one C call that
-# copies the arguments into place and calls cuLaunchKernel. Opt-in (FORGE_STATIC_LAUNCH=1) until its
-# GPU tests have run on a device: a launch through a wrong argument layout would write wrong weights,
-# and the layout is so far checked only offline, against the sm_90a PTX entry (test_kernel_codegen.py).
+# copies the arguments into place and calls cuLaunchKernel. On by default since its GPU tests passed
+# on an H100 (2026-12-05: the bits of Triton's launcher for fp32/bf16/int8 states and varying token
+# counts); FORGE_STATIC_LAUNCH=0 turns it off. The layout is also checked offline, against the sm_90a
+# PTX entry (test_kernel_codegen.py): a wrong layout would not raise, it would write wrong weights.
 # Not used where the compiled kernel needs what that launcher does not do (clusters, programmatic
 # dependent launch, cooperative grids, host-side TMA descriptors, profiler scratch), nor where torch
 # has no such launcher (then Triton's launcher is used, as before).
-STATIC_LAUNCH = os.environ.get("FORGE_STATIC_LAUNCH", "0") == "1"
+STATIC_LAUNCH = os.environ.get("FORGE_STATIC_LAUNCH", "1") != "0"
 # Triton's scalar types -> the launcher's type characters (pointers are "O": an int is taken as is)
 _TYPE_CHARS = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
                "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
