@@ -5,8 +5,9 @@
 
 On the lent H200's host the same code's per-step host time moved by up to 2x between processes and
 within one (NOTES.md, thirteenth session), so a before/after in two processes could not see a few ms.
-Here every variant is a copy of the same model (same weights), compiled once in this process, and the
-timed rounds alternate between them (the order rotates each round), so host drift hits all alike:
+Here every variant starts from the same weights in this process (variants that differ only in the
+launcher or in being compiled share one model and optimizer), and the timed rounds alternate between
+them (the order rotates each round), so host drift hits all alike:
 
 - ``none``: forward+backward with no optimizer (the floor);
 - ``old``: FORGE compiled as before 2026-12-04 night: a ``linear_counted`` op per fused linear in the

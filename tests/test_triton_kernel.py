@@ -1358,8 +1358,8 @@ def test_gpu_static_launch_matches_triton_launcher(monkeypatch, state_dtype):
 def test_gpu_prepared_plan_runs_from_another_thread(monkeypatch):
     """A plan recorded in autograd's backward thread relaunches through Triton's launcher from another
     thread: Triton's TMA scratch allocator is per thread, and the relaunch set it only where the plan was
-    made ("no allocator was set" before 2026-12-05). The update it applies equals the same update's
-    launch from the recording thread."""
+    made ("no allocator was set" before 2026-12-05). The update it applies equals the same update
+    launched again, from the same weights and states, in the test's own thread."""
     import threading
 
     import forge_optim
@@ -1381,7 +1381,11 @@ def test_gpu_prepared_plan_runs_from_another_thread(monkeypatch):
     gi, idx = opt._locate(h.param)
     coeffs, kw, ks = opt._step_scalars(opt.param_groups[gi], h.fast.state, idx, h.fast.specs)
     dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
-    before = (h.param.detach().clone(), [v.clone() for v in opt.state[h.param].values() if v.dim() > 0])
+
+    def states():  # the state tensors (not the step count)
+        return [v for v in opt.state[h.param].values() if v.dim() > 0]
+
+    before = (h.param.detach().clone(), [v.clone() for v in states()])
     errors = []
 
     def launch_here():
@@ -1395,14 +1399,14 @@ def test_gpu_prepared_plan_runs_from_another_thread(monkeypatch):
     worker.start()
     worker.join()
     assert not errors, errors
-    from_thread = (h.param.detach().clone(), [v.clone() for v in opt.state[h.param].values() if v.dim() > 0])
+    from_thread = (h.param.detach().clone(), [v.clone() for v in states()])
     with torch.no_grad():
         h.param.copy_(before[0])
-        for v, b in zip([v for v in opt.state[h.param].values() if v.dim() > 0], before[1]):
+        for v, b in zip(states(), before[1]):
             v.copy_(b)
     plan.run(dy, x, coeffs, 1.0, kw, ks)
     torch.cuda.synchronize()
     assert not torch.equal(from_thread[0], before[0])
     assert torch.equal(h.param, from_thread[0])
-    for v, t in zip([v for v in opt.state[h.param].values() if v.dim() > 0], from_thread[1]):
+    for v, t in zip(states(), from_thread[1]):
         assert torch.equal(v, t)
