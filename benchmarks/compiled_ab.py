@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 import forge_optim  # noqa: E402
 from forge_optim import autograd as fautograd  # noqa: E402
+from forge_optim import overlap as foverlap  # noqa: E402
 from forge_optim.bench_models import build_model, config_dict  # noqa: E402
 from forge_optim.kernels import launch as flaunch  # noqa: E402
 
@@ -55,6 +56,9 @@ VARIANTS = {  # name: (inductor pass on, dX traced in the graph, static launch, 
     "new-side": (True, True, True, True, True, False),
     "new-side-tiles": (True, True, True, True, True, True),
     "new-tiles": (True, True, True, True, False, True),
+    # the same, the side stream more urgent than the caller's (CUDA priority -1: its kernels get freed SMs first)
+    "new-side-hi": (True, True, True, True, True, False, -1),
+    "new-side-hi-tiles": (True, True, True, True, True, True, -1),
 }
 
 
@@ -64,6 +68,11 @@ def _runtime_form(name: str, opt) -> bool:
     flaunch.STATIC_LAUNCH = v[2]
     overlap, tiles = (v[4], v[5]) if len(v) > 4 else (False, False)
     opt.overlap_updates = overlap
+    priority = v[6] if len(v) > 6 else 0
+    foverlap.SIDE_PRIORITY = priority
+    if any(st.priority != priority for st in opt._overlap.side.values()):
+        opt.join_updates()
+        opt._overlap.side.clear()  # made again with the new priority
     if flaunch.GRID_TILES != tiles:
         flaunch.GRID_TILES = tiles
         for h in opt._handles.values():  # the prepared plans hold their grid size
@@ -154,6 +163,7 @@ def main():
     _set_form(True, True)
     flaunch.STATIC_LAUNCH = True
     flaunch.GRID_TILES = False
+    foverlap.SIDE_PRIORITY = 0
 
     keys = ("fwd_dispatch", "fwd_wait", "bwd_dispatch", "bwd_wait", "step_dispatch", "step_wait", "synced", "b2b")
     rec = {n: {k: [] for k in keys} for n in names}
@@ -192,7 +202,7 @@ def main():
     for x, y in (("new", "old"), ("fwd", "old"), ("new", "fwd"), ("new", "none"), ("old", "none"),
                  ("new", "new-triton"), ("new-triton", "none"), ("eager", "eager-triton"), ("eager", "none-eager"),
                  ("eager-triton", "none-eager"), ("new-side", "new"), ("new-side-tiles", "new"),
-                 ("new-tiles", "new"), ("new-side-tiles", "new-tiles"), ("new-side", "none")):
+                 ("new-tiles", "new"), ("new-side-tiles", "new-tiles"), ("new-side", "none"), ("new-side-hi", "new"), ("new-side-hi-tiles", "new")):
         if x in rec and y in rec:
             paired[f"{x}-{y}"] = {k: round(statistics.median(p - q for p, q in zip(rec[x][k], rec[y][k])), 3)
                                   for k in keys}
@@ -209,7 +219,7 @@ def main():
                torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
                model=a.model, layers=a.layers, batch_size=a.batch_size, seq_len=a.seq_len, rounds=a.rounds,
                b2b_steps=a.b2b, variants={n: dict(zip(("inductor_pass", "dx_in_graph", "static_launch", "compiled", "overlap_updates",
-                                                        "grid_tiles"),
+                                                        "grid_tiles", "side_priority"),
                                                    VARIANTS.get(n, (None, None, None, FLOORS.get(n)))))
                                           for n in names}, compiled_ops=forms,
                units="ms per step, median over rounds", medians=med, paired_medians=paired,

@@ -21,10 +21,14 @@ What keeps it correct:
 from __future__ import annotations
 
 import collections
+import os
 
 import torch
 
 MAX_HELD_BYTES = 512 << 20  # dY and X kept alive for updates not yet run
+# the side stream's priority (CUDA: lower is more urgent; 0, the default stream's, is the least): a more
+# urgent side stream gets SMs first as they free, the backward's kernels take what is left
+SIDE_PRIORITY = int(os.environ.get("FORGE_SIDE_PRIORITY", "0"))
 
 
 class SideStreams:
@@ -44,7 +48,7 @@ class SideStreams:
         main = torch.cuda.current_stream(device)
         side = self.side.get(main.device_index)
         if side is None:
-            side = self.side[main.device_index] = torch.cuda.Stream(main.device)
+            side = self.side[main.device_index] = torch.cuda.Stream(main.device, priority=SIDE_PRIORITY)
         side.wait_stream(main)
         return main, side
 
