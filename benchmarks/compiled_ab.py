@@ -41,44 +41,17 @@ import torch  # noqa: E402
 
 import forge_optim  # noqa: E402
 from forge_optim import autograd as fautograd  # noqa: E402
-from forge_optim import overlap as foverlap  # noqa: E402
 from forge_optim.bench_models import build_model, config_dict  # noqa: E402
 from forge_optim.kernels import launch as flaunch  # noqa: E402
 
-VARIANTS = {  # name: (inductor pass on, dX traced in the graph, static launch, compiled[, overlap, grid of tiles])
+VARIANTS = {  # name: (inductor pass on, dX traced in the graph, static launch, compiled)
     "old": (False, False, True, True),
     "fwd": (True, False, True, True),
     "new": (True, True, True, True),
     "new-triton": (True, True, False, True),
     "eager": (True, True, True, False),
     "eager-triton": (True, True, False, False),
-    # overlap_updates (a side stream per update) with the persistent grid or one program per tile
-    "new-side": (True, True, True, True, True, False),
-    "new-side-tiles": (True, True, True, True, True, True),
-    "new-tiles": (True, True, True, True, False, True),
-    # the same, the side stream more urgent than the caller's (CUDA priority -1: its kernels get freed SMs first)
-    "new-side-hi": (True, True, True, True, True, False, -1),
-    "new-side-hi-tiles": (True, True, True, True, True, True, -1),
 }
-
-
-def _runtime_form(name: str, opt) -> bool:
-    """Set the variant's run-time switches; True if the kernel grid changed (plans re-made)."""
-    v = VARIANTS[name]
-    flaunch.STATIC_LAUNCH = v[2]
-    overlap, tiles = (v[4], v[5]) if len(v) > 4 else (False, False)
-    opt.overlap_updates = overlap
-    priority = v[6] if len(v) > 6 else 0
-    foverlap.SIDE_PRIORITY = priority
-    if any(st.priority != priority for st in opt._overlap.side.values()):
-        opt.join_updates()
-        opt._overlap.side.clear()  # made again with the new priority
-    if flaunch.GRID_TILES != tiles:
-        flaunch.GRID_TILES = tiles
-        for h in opt._handles.values():  # the prepared plans hold their grid size
-            h.fast = None
-        return True
-    return False
 FLOORS = {"none": True, "none-eager": False}  # no optimizer; compiled or not
 
 
@@ -133,7 +106,7 @@ def main():
         model, opt, wrapped = shared[form]
         if name not in FLOORS:
             _set_form(*VARIANTS[name][:2])
-            _runtime_form(name, opt)
+            flaunch.STATIC_LAUNCH = VARIANTS[name][2]
         if compiled and "compiled" not in wrapped:
             wrapped["compiled"] = torch.compile(model)
         run = wrapped["compiled"] if compiled else model
@@ -162,8 +135,6 @@ def main():
               flush=True)
     _set_form(True, True)
     flaunch.STATIC_LAUNCH = True
-    flaunch.GRID_TILES = False
-    foverlap.SIDE_PRIORITY = 0
 
     keys = ("fwd_dispatch", "fwd_wait", "bwd_dispatch", "bwd_wait", "step_dispatch", "step_wait", "synced", "b2b")
     rec = {n: {k: [] for k in keys} for n in names}
@@ -173,8 +144,8 @@ def main():
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             model, opt, run = runs[name]
-            if name in VARIANTS and _runtime_form(name, opt):  # read at each launch
-                _step(run, opt, model, ids)  # untimed: re-make the plans for the new grid
+            if name in VARIANTS:  # read by the prepared plans at each launch
+                flaunch.STATIC_LAUNCH = VARIANTS[name][2]
             _sync(dev)
             t0 = time.perf_counter()
             loss = run(input_ids=ids, labels=ids).loss
@@ -201,8 +172,7 @@ def main():
     paired = {}
     for x, y in (("new", "old"), ("fwd", "old"), ("new", "fwd"), ("new", "none"), ("old", "none"),
                  ("new", "new-triton"), ("new-triton", "none"), ("eager", "eager-triton"), ("eager", "none-eager"),
-                 ("eager-triton", "none-eager"), ("new-side", "new"), ("new-side-tiles", "new"),
-                 ("new-tiles", "new"), ("new-side-tiles", "new-tiles"), ("new-side", "none"), ("new-side-hi", "new"), ("new-side-hi-tiles", "new")):
+                 ("eager-triton", "none-eager")):
         if x in rec and y in rec:
             paired[f"{x}-{y}"] = {k: round(statistics.median(p - q for p, q in zip(rec[x][k], rec[y][k])), 3)
                                   for k in keys}
@@ -218,8 +188,7 @@ def main():
                device=torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({platform.machine()})",
                torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
                model=a.model, layers=a.layers, batch_size=a.batch_size, seq_len=a.seq_len, rounds=a.rounds,
-               b2b_steps=a.b2b, variants={n: dict(zip(("inductor_pass", "dx_in_graph", "static_launch", "compiled", "overlap_updates",
-                                                        "grid_tiles", "side_priority"),
+               b2b_steps=a.b2b, variants={n: dict(zip(("inductor_pass", "dx_in_graph", "static_launch", "compiled"),
                                                    VARIANTS.get(n, (None, None, None, FLOORS.get(n)))))
                                           for n in names}, compiled_ops=forms,
                units="ms per step, median over rounds", medians=med, paired_medians=paired,

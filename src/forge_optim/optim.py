@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 
 from . import dtensor, patch, precision
-from .overlap import SideStreams
 from .autograd import Use, register_handle
 from .backends import BACKEND_NAMES, StateView, UpdateJob, make_backend, triton_available
 from .backends.base import RowSparseGrad
@@ -211,14 +210,7 @@ class FusedWeight:
             if self.buffer is None:
                 w = dtensor.local(self.param)
                 self.buffer = torch.zeros(w.shape, dtype=opt.accumulate_dtype, device=w.device)
-            backend = opt._backend_for(self.param)
-            if opt._overlaps(self.param, dy):
-                main, side = opt._overlap.begin(dy.device)
-                with torch.cuda.stream(side):
-                    backend.accumulate(self.buffer, dy, x)
-                opt._overlap.end(main, side, (dy, x, self.buffer))
-            else:
-                backend.accumulate(self.buffer, dy, x)
+            opt._backend_for(self.param).accumulate(self.buffer, dy, x)
             self.retained = self.retained or asked == RETAINED
             return
         self.retained = False
@@ -271,7 +263,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, defaults: dict, *, params=None, state_dtype: str | None = None,
                  stochastic_rounding: bool | None = None, backend: str = "auto", exclude=(),
                  nonfinite: str = "skip", block_rows: int = 256, seed: int = 0, sparse_embeddings: bool = True,
-                 accumulate_dtype: str = "fp32", overlap_updates: bool = False, **torch_flags):
+                 accumulate_dtype: str = "fp32", **torch_flags):
         name = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(f"forge_optim.{name} takes the model first (it patches the model's nn.Linear "
@@ -281,7 +273,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
             if key not in _TORCH_ONLY_FLAGS:
                 valid = sorted(list(defaults) + ["params", "state_dtype", "stochastic_rounding", "backend",
                                                  "exclude", "nonfinite", "block_rows", "seed",
-                                                 "sparse_embeddings", "accumulate_dtype", "overlap_updates"])
+                                                 "sparse_embeddings", "accumulate_dtype"])
                 raise TypeError(f"forge_optim.{name}: unknown option {key!r}; valid options: {', '.join(valid)}")
             if key in ("capturable", "differentiable") and value:
                 raise ValueError(f"forge_optim.{name}: {key}=True is not supported")
@@ -312,10 +304,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         # (2 B/param, as torch's bf16 .grad accumulates: each micro-step's sum rounded to nearest)
         self.accumulate_dtype = torch.float32 if accumulate_dtype == "fp32" else torch.bfloat16
         self._accumulating = 0
-        # CUDA: launch each fused update on a side stream, beside the rest of backward (overlap.py says how
-        # that stays correct). Not with nonfinite='raise' (it reads the count at once) nor under TP.
-        self.overlap_updates = bool(overlap_updates)
-        self._overlap = SideStreams()
         self._any_detached = False  # a handle was detached (unpatched) since step() last looked
         self._warned_repeat = False  # the "several updates per opt.step()" warning is shown once
         self._warned_retained = False  # the "retain_graph=True cost a buffer" warning is shown once
@@ -422,7 +410,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def nonfinite_counts(self) -> dict[str, int]:
         """{name: coordinates skipped so far because their gradient was NaN or Inf} (non-zero only)."""
-        self._overlap.join()
         out = {}
         for p, st in self.state.items():
             c = st.get("_nonfinite")
@@ -559,14 +546,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         fast = handle.fast
         if fast is not None and handle.buffer is None and fast.valid(self, p, group, dy, x):
             coeffs, key_weight, keys = self._step_scalars(group, fast.state, idx, fast.specs)
-            sign = -1.0 if group.get("maximize", False) else 1.0
-            if self.overlap_updates and dy.is_cuda:  # (a plan exists only for plain tensors and nonfinite='skip')
-                main, side = self._overlap.begin(dy.device)
-                with torch.cuda.stream(side):
-                    fast.plan.run(dy, x, coeffs, sign, key_weight, keys)
-                self._overlap.end(main, side, (dy, x))
-            else:
-                fast.plan.run(dy, x, coeffs, sign, key_weight, keys)
+            fast.plan.run(dy, x, coeffs, -1.0 if group.get("maximize", False) else 1.0, key_weight, keys)
             torch.autograd.graph.increment_version(p)
             return
         state = self._init_state(p, group)
@@ -574,13 +554,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         job.grad_buffer, handle.buffer = handle.buffer, None
         before = int(state["_nonfinite"]) if self.nonfinite_mode == "raise" else 0
         backend = self._backend_for(p)
-        if self._overlaps(p, dy):
-            main, side = self._overlap.begin(dy.device)
-            with torch.cuda.stream(side):
-                backend.update(job, dy, x)
-            self._overlap.end(main, side, (dy, x) if job.grad_buffer is None else (dy, x, job.grad_buffer))
-        else:
-            backend.update(job, dy, x)
+        backend.update(job, dy, x)
         handle.fast = _FastPath.make(self, backend, p, state, job, dy, x)
         # Triton stores do not bump the version counter: make any stale use of the old W raise.
         torch.autograd.graph.increment_version(p)
@@ -588,17 +562,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
             bad = int(state["_nonfinite"]) - before
             if bad:
                 self._raise_after_backward(f"{handle.name}.weight", bad)
-
-    def _overlaps(self, p: torch.Tensor, dy: torch.Tensor) -> bool:
-        """Whether this update runs on the side stream (``overlap_updates``)."""
-        return (self.overlap_updates and dy.is_cuda and self.nonfinite_mode == "skip"
-                and not dtensor.is_dtensor(p))
-
-    def join_updates(self) -> None:
-        """Make the current streams wait for the fused updates launched on the side stream
-        (``overlap_updates``). Called at the end of every backward; call it yourself before reading a
-        fused weight or its state from another stream, or before a backward ends."""
-        self._overlap.join()
 
     def _warn_repeated_updates(self, h: FusedWeight) -> None:
         """The usual gradient-accumulation loop (backward per micro-batch, opt.step() every k) would
@@ -660,7 +623,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
         """Step the parameters that were not fused; fused weights were updated during backward."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise graph_capture_error(f"{type(self).__name__}.step() is running")
-        self._overlap.join()
         if self._any_detached:
             self._forget_detached()
         loss = None
@@ -771,7 +733,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch.optim's layout; int8 states are exported dequantized (fp32) under torch's key, with
         the exact quantized form kept beside them as ``<key>_q`` and ``<key>_scale``."""
-        self._overlap.join()
         sd = super().state_dict()
         out = {}
         for idx, st in sd["state"].items():
@@ -790,7 +751,6 @@ class ForgeOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this class or of the torch.optim optimizer with the same rule."""
-        self._overlap.join()
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "

@@ -109,9 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "logits, torch cross-entropy); 'liger', Liger-Kernel's cross-entropy on the bf16 logits, "
                    "its gradient written in place (no fp32 logit copies: ~0.8 GiB less at the end of forward "
                    "for Llama-3.1-8B BS=1 SEQ=512; needs CUDA and `pip install liger-kernel`)")
-    p.add_argument("--overlap-updates", action="store_true",
-                   help="FORGE methods: launch each fused update on a side CUDA stream beside the rest of "
-                   "backward (forge_optim.AdamW(..., overlap_updates=True))")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
@@ -346,8 +343,6 @@ def _worker_argv(ns, method: str, result_file: Path, timeline: bool) -> list[str
         a += ["--compile", "--compile-mode", ns.compile_mode]
     if ns.loss != "hf":
         a += ["--loss", ns.loss]
-    if ns.overlap_updates:
-        a.append("--overlap-updates")
     if timeline:
         a.append("--timeline")
     return a
@@ -811,7 +806,7 @@ def _profile_gpu(step, batches, n: int) -> dict:
     }
 
 
-def _make_method(m: str, model, lr: float, wd: float, device: str, overlap_updates: bool = False):
+def _make_method(m: str, model, lr: float, wd: float, device: str):
     """Returns (optimizer-or-None, after_backward(), info)."""
     import torch
 
@@ -822,9 +817,7 @@ def _make_method(m: str, model, lr: float, wd: float, device: str, overlap_updat
     if m.startswith("forge-"):
         import forge_optim
 
-        opt = forge_optim.AdamW(model, lr=lr, weight_decay=wd, state_dtype=m.split("-", 1)[1],
-                                overlap_updates=overlap_updates)
-        info["overlap_updates"] = overlap_updates
+        opt = forge_optim.AdamW(model, lr=lr, weight_decay=wd, state_dtype=m.split("-", 1)[1])
         info["fused_modules"] = len(opt.fused_modules())
         info["unfused_linears"] = {k: str(v) for k, v in opt.unfused_linears().items()}
         info["backend"] = opt.backend_name
@@ -980,7 +973,7 @@ def _worker(ns, m: str, r: dict, save) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if ns.loss == "liger":
         model.loss_function = liger_causal_lm_loss
-    opt, after, info = _make_method(m, model, ns.lr, ns.weight_decay, device, ns.overlap_updates)
+    opt, after, info = _make_method(m, model, ns.lr, ns.weight_decay, device)
     info.pop("handle", None)
     r.update(info)
     fwd = torch.compile(model, mode=None if ns.compile_mode == "default" else ns.compile_mode) if ns.compile else model

@@ -250,9 +250,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
         nprogs = max(1, min(tiles, cfg.progs_per_sm))
         use_tma = False
     else:
-        # GRID_TILES: one program per tile instead of a persistent grid, so that the hardware can hand
-        # freed SMs to another stream's kernels tile by tile (A/B of overlap_updates, benchmarks/NOTES.md)
-        nprogs = tiles if GRID_TILES else max(1, min(tiles, _sm_count(weight.device) * cfg.progs_per_sm))
+        nprogs = max(1, min(tiles, _sm_count(weight.device) * cfg.progs_per_sm))
         use_tma = cfg.use_tma and BT > 0 and _tma_ok(dy, x)
         if use_tma:
             _ensure_allocator()
@@ -325,8 +323,6 @@ def split_launch(*, weight, dy, x, states, key_weight, key_states, config, **kw)
 # Triton specializes on (pointer dtype + alignment, for every int whether it is 1, divisible by 16
 # and within int32, every constexpr, the launch options, the device), so a hit always has the same
 # specialization as the call that compiled it; a miss goes through Triton's own path once.
-# FORGE_UPDATE_GRID=tiles launches one program per output tile (see ``launch``); the default is persistent.
-GRID_TILES = os.environ.get("FORGE_UPDATE_GRID", "persistent") == "tiles"
 # FORGE_FAST_LAUNCH=0 turns it off (A/B measurements, or a Triton whose launcher differs).
 FAST_LAUNCH = os.environ.get("FORGE_FAST_LAUNCH", "1") != "0"
 _DIRECT: dict[tuple, object] = {}
