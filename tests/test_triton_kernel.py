@@ -1072,12 +1072,12 @@ def test_gpu_lookahead_changes_no_bit(mode):
     from dataclasses import replace
 
     from forge_optim.backends.triton_backend import TritonBackend
-    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, SMALL_BT_CONFIGS
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS, SMALL_BT_CONFIGS
 
     M, N, BT = 1000, 3008, 515
     dy, x = _gpu_inputs(BT, M, N, seed=5)
     dy[7, 11] = float("nan")  # a non-finite gradient row: the per-tile count and the guard
-    twins = [c for c in ALL_TUNED_CONFIGS if c.epi_lookahead]
+    twins = list(dict.fromkeys(c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS if c.epi_lookahead))
     twins.append(replace(SMALL_BT_CONFIGS[-2], epi_lookahead=2))
     for cfg in twins:
         a = make_job("AdamW", mode, M, N, device="cuda", seed=6)

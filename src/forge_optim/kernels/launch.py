@@ -131,6 +131,12 @@ EXPLORE_SMALL_BT_CONFIGS = (
     KernelConfig(64, 128, 128, 4, 2, 8, 2, 8, maxnreg=168, prefetch=True),  # 98 KB smem: 2 per SM
     KernelConfig(64, 256, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
+    # the H100's BT=512 winners (128x256 / 256x128, 16 warps, one program per SM) with each slice's loads
+    # issued before the previous slice's stores: offline (sm_90a) the same 60 B of spills as lookahead 0
+    # (256x128: 28 B); the 2-program 128x128 likewise (40 B)
+    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, epi_lookahead=1),
+    KernelConfig(256, 128, 64, 16, 3, 8, 1, 8, epi_lookahead=1),
+    KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, epi_lookahead=1),
 )
 
 
