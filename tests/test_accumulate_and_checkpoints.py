@@ -199,3 +199,73 @@ def test_load_of_another_models_states_is_refused_and_changes_nothing():
         opt.load_state_dict(sd)
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == groups
     assert_states_unchanged(opt, saved)
+
+
+def test_int8_checkpoint_through_torch_optim_of_a_bf16_model_keeps_exact_codes():
+    # torch.optim's load_state_dict casts every state tensor to the parameter's dtype: the int8 codes
+    # come back as bf16 numbers. They must be recognised as the same codes (a resumed run equals an
+    # uninterrupted one bit for bit), not stored as bf16 "codes" (garbage moments).
+    data = batches(5)
+    model, _ = twin()
+    model.to(torch.bfloat16)
+    resumed_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="int8")
+    _train(model, opt, data[:3])
+    via_torch = torch.optim.AdamW(copy.deepcopy(resumed_model).parameters(), lr=1e-2)
+    via_torch.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert via_torch.state_dict()["state"][0]["exp_avg_q"].dtype == torch.bfloat16  # what torch does
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = forge_optim.AdamW(resumed_model, lr=1e-2, state_dtype="int8")
+    resumed.load_state_dict(copy.deepcopy(via_torch.state_dict()))
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        for key, v in opt.state[p].items():
+            assert resumed.state[q][key].dtype == v.dtype and torch.equal(resumed.state[q][key], v), key
+    _train(model, opt, data[3:])
+    _train(resumed_model, resumed, data[3:])
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_codes_left_stale_by_torch_optim_training_are_not_used(dtype):
+    # torch.optim keeps the "_q"/"_scale" keys it does not know through its own steps: by the time the
+    # checkpoint comes back they no longer describe the moments, which are quantized afresh from the value.
+    data = batches(6)
+    model, torch_model = twin()
+    model.to(dtype), torch_model.to(dtype)
+    back_model = copy.deepcopy(torch_model)
+    opt = forge_optim.AdamW(model, lr=1e-2, state_dtype="int8")
+    _train(model, opt, data[:2])
+    torch_model.load_state_dict(model.state_dict())
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train(torch_model, torch_opt, data[2:])
+    saved = copy.deepcopy(torch_opt.state_dict())
+    back_model.load_state_dict(torch_model.state_dict())
+    back = forge_optim.AdamW(back_model, lr=1e-2, state_dtype="int8")
+    back.load_state_dict(saved)
+    for i, q in enumerate(back_model.parameters()):
+        if q.dim() < 2:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            st = back.state[q]
+            now = saved["state"][i][key].float()  # torch's current moment
+            deq = forge_optim.precision.dequantize(_as_2d(st[key]), st[key + "_scale"]).reshape(now.shape)
+            step = st[key + "_scale"].float().repeat_interleave(64, dim=-1)[:, :now.shape[-1]]
+            assert ((deq - now).abs() <= step * (1.0 if key == "exp_avg_sq" else 0.5) * (1 + 1e-6) + 1e-30).all()
+
+
+def test_deepcopy_of_a_patched_model_trains_with_torch_optim():
+    # copy.deepcopy(model) after forge_optim patched it (a torch.optim baseline, an EMA copy): the copy
+    # must be a plain model, with dense embedding gradients torch.optim.AdamW accepts.
+    data = batches(3)
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    assert opt.fused_modules()
+    copied = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    copied_opt = torch.optim.AdamW(copied.parameters(), lr=1e-2, foreach=False)
+    _train(copied, copied_opt, data)
+    _train(ref_model, ref, data)
+    assert rel_diff(copied, ref_model) <= TOL
+    assert all(p.grad is None for p in model.parameters())  # the copy's backward touched no original

@@ -22,6 +22,7 @@ def test_unknown_option_lists_valid_ones():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(lr=-1.0), "invalid lr"),
+    (dict(lr="1e-3"), "str, not a number"),
     (dict(betas=(0.9, 1.5)), "beta"),
     (dict(state_dtype="fp8"), "state_dtype"),
     (dict(backend="cuda"), "backend must be one of"),
@@ -169,3 +170,39 @@ def test_composable_replicate_is_refused(process_group):
     replicate(model)
     with pytest.raises(ValueError, match="replicate"):
         forge_optim.AdamW(model)
+
+
+@pytest.mark.parametrize("group, match", [({"lr": -1.0}, "lr"), ({"lr": "1e-3"}, "lr")])
+def test_refused_param_group_is_not_kept(group, match):
+    # torch.optim raises before appending a bad group; a group that fails forge_optim's checks after
+    # torch filled in its defaults is taken out again, so step() never runs with it.
+    model = nn.Sequential(nn.Linear(4, 4))
+    extra = nn.Parameter(torch.ones(3))
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    with pytest.raises((ValueError, TypeError), match=match):
+        opt.add_param_group({"params": [extra], **group})
+    assert len(opt.param_groups) == 1
+    extra.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(extra.detach(), torch.ones(3))
+
+
+def test_add_param_group_refuses_fp16_with_the_reason():
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    model.register_parameter("scale16", nn.Parameter(torch.ones(3, dtype=torch.float16)))
+    with pytest.raises(ValueError, match=r"parameter .scale16. is torch.float16.*loss scaling"):
+        opt.add_param_group({"params": [model.scale16]})
+    assert len(opt.param_groups) == 1
+
+
+def test_unfused_reason_follows_add_param_group():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = forge_optim.AdamW(model, lr=1e-2, params=[model[0].weight, model[0].bias])
+    assert "not in the optimizer" in opt.unfused_linears()["1"]
+    opt.add_param_group({"params": [model[1].weight]})
+    assert "add_param_group" in opt.unfused_linears()["1"]
+    before = model[1].weight.detach().clone()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert not torch.equal(model[1].weight.detach(), before)  # stepped by opt.step() from its gradient

@@ -28,6 +28,14 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 _TORCH_ONLY_FLAGS = dict(foreach=None, fused=None, capturable=False, differentiable=False)
 
 
+def _dtype_message(name: str, dtype: torch.dtype) -> str:
+    why = {torch.float16: "fp16 needs loss scaling, which an in-backward update cannot undo",
+           torch.float64: "the fused kernels and states are float32 at most"}.get(
+        dtype, "only floating-point weights of these two dtypes can be updated")
+    return (f"parameter '{name}' is {dtype}: forge_optim supports float32 and bfloat16 weights ({why}); "
+            "cast the model with model.to(torch.bfloat16) or model.float()")
+
+
 def _shape_2d(t: torch.Tensor) -> tuple[int, int]:
     """The [rows, cols] a state is stored as: the last axis stays whole (int8 blocks run along it)."""
     if t.dim() == 0:
@@ -324,10 +332,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype not in (torch.float32, torch.bfloat16):
-                    raise ValueError(
-                        f"parameter '{names.get(id(p), '?')}' is {p.dtype}: forge_optim supports float32 and "
-                        "bfloat16 weights (fp16 needs loss scaling, which an in-backward update cannot undo); "
-                        "cast the model with model.to(torch.bfloat16) or keep it in float32")
+                    raise ValueError(_dtype_message(names.get(id(p), "<not a parameter of the model>"), p.dtype))
         self._param_names = names
         trained = {id(p) for g in self.param_groups for p in g["params"]}
         fuse, skip = patch.plan_fusion(model, trained, exclude)
@@ -342,13 +347,48 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._sparse_embeddings = patch.plan_sparse_embeddings(model, trained) if sparse_embeddings else {}
         for mod in self._sparse_embeddings.values():
             mod.__class__ = patch.ForgeEmbedding
+            mod._forge_live = patch.LiveOnly()
 
     # ----- groups -------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        self.rule.validate(self.param_groups[-1])
-        if self.param_groups[-1].get("amsgrad", False):
-            raise ValueError("amsgrad=True is not supported by forge_optim")
+        # Checked after torch.optim filled in the defaults; a group that fails is taken out again, so
+        # a rejected group never reaches step() (torch.optim raises before appending; so do we, in effect).
+        group = self.param_groups[-1]
+        try:
+            self.rule.validate(group)
+            if group.get("amsgrad", False):
+                raise ValueError("amsgrad=True is not supported by forge_optim")
+            if "_param_names" in self.__dict__:  # after construction (which checks dtypes with names itself)
+                for p in group["params"]:
+                    if p.dtype not in (torch.float32, torch.bfloat16):
+                        raise ValueError(_dtype_message(self._param_name(p), p.dtype))
+        except Exception:
+            self.param_groups.pop()
+            raise
+        if "_param_names" in self.__dict__:
+            self._note_added_linears(group)
+
+    def _param_name(self, p: torch.Tensor) -> str:
+        name = self._param_names.get(id(p))
+        if name is None:  # a parameter registered on the model after construction
+            model = self._model_ref()
+            if model is not None:
+                name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is p), None)
+        return name or "<not a parameter of the model>"
+
+    def _note_added_linears(self, group: dict) -> None:
+        """A linear left unfused because its weight was not in the optimizer is now stepped by step()."""
+        model = self._model_ref()
+        if model is None:
+            return
+        ids = {id(p) for p in group["params"]}
+        mods = dict(model.named_modules())
+        for mname in list(self._unfused):
+            mod = mods.get(mname)
+            if mod is not None and id(getattr(mod, "weight", None)) in ids:
+                self._unfused[mname] = ("weight added by add_param_group after construction; stepped by "
+                                        "opt.step() from its gradient (construct the optimizer with it to fuse it)")
 
     def _locate(self, p: torch.Tensor) -> tuple[int, int]:
         """(group index, flat parameter index) of ``p``; cached, rebuilt when the groups change."""
@@ -396,6 +436,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         for mod in self._sparse_embeddings.values():
             if type(mod) is patch.ForgeEmbedding:
                 mod.__class__ = nn.Embedding
+                mod.__dict__.pop("_forge_live", None)
         self._sparse_embeddings = {}
 
     def _forget_detached(self) -> None:
@@ -803,13 +844,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     f"loaded state dict: state {spec.name!r} of parameter '{self._param_names.get(id(p), '?')}' "
                     f"has shape {tuple(value.shape)}, the parameter has {tuple(p.shape)}. The checkpoint comes "
                     "from another model, or its parameters were listed in another order; nothing was loaded")
-            q, scale = saved.get(spec.name + "_q"), saved.get(spec.name + "_scale")
             quantized = None
-            if (mode == "int8" and q is not None and scale is not None and q.shape == p.shape
-                    and scale.dtype == precision.SCALE_DTYPE):
-                quantized = (q.clone(), scale.clone())
-            # otherwise (a torch.optim checkpoint, another state mode, or fp32 scales from before
-            # forge_optim 0.1's bf16 scales) the exported fp32 value is quantized afresh
+            if mode == "int8":
+                quantized = _exact_codes(saved.get(spec.name + "_q"), saved.get(spec.name + "_scale"),
+                                         value, spec.nonnegative)
+            # otherwise (a torch.optim checkpoint, another state mode, codes torch.optim cast or kept stale
+            # while it trained, or fp32 scales from before forge_optim 0.1's bf16 scales) the exported
+            # value is quantized afresh
             # clone: a state_dict holds references to the live tensors of the optimizer that made it
             self._set_state(p, state, spec, value.detach().float().clone(), mode, quantized)
         if "step" not in state:
@@ -817,6 +858,34 @@ class ForgeOptimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(1.0 if state else 0.0, dtype=torch.float32)
         state["_nonfinite"] = torch.zeros((), dtype=torch.int64, device=p.device)
         return state
+
+
+def _exact_codes(q, scale, value: torch.Tensor, nonnegative: bool):
+    """The saved int8 codes and scales, if they are this state's exact quantized form; else None.
+
+    A forge_optim checkpoint that passed through torch.optim's load_state_dict comes back with every
+    tensor cast to the parameter's dtype (codes as bf16 or fp32 numbers), and with codes that are stale
+    if torch.optim trained in between: codes are used only if they are integers in range and
+    dequantize to the exported value (compared in the value's dtype)."""
+    if not isinstance(q, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return None
+    q, scale = dtensor.local(q).detach(), dtensor.local(scale).detach()
+    lv = dtensor.local(value).detach()
+    code_dtype = precision.int8_dtype(nonnegative)
+    rows, cols = _shape_2d(lv)
+    if (tuple(q.shape) != tuple(lv.shape) or scale.dtype != precision.SCALE_DTYPE
+            or tuple(scale.shape) != (rows, precision.num_scale_blocks(cols))):
+        return None
+    if q.dtype != code_dtype:
+        info = torch.iinfo(code_dtype)
+        if not q.is_floating_point() or not bool(((q == q.round()) & (q >= info.min) & (q <= info.max)).all()):
+            return None
+        q = q.to(code_dtype)
+    q, scale = q.to(lv.device), scale.to(lv.device)
+    deq = precision.dequantize(_as_2d(q), scale).reshape(lv.shape)
+    if not torch.equal(deq.to(lv.dtype), lv):
+        return None
+    return q.clone(), scale.clone()
 
 
 # ----- the optimizers users construct: torch.optim's names and defaults after the model ---------------

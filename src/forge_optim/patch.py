@@ -171,11 +171,25 @@ def plan_fusion(model: nn.Module, trained: set[int], exclude) -> tuple[dict, dic
     return fuse, skip
 
 
+class LiveOnly:
+    """A marker that a copy of the model does not carry: deepcopy and pickle give None, so a copied
+    (or saved and reloaded) module behaves as the plain torch module it was patched from."""
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return (type(None), ())
+
+
 class ForgeEmbedding(nn.Embedding):
-    """nn.Embedding whose gradient is row-sparse in eager mode and dense under torch.compile."""
+    """nn.Embedding whose gradient is row-sparse in eager mode and dense under torch.compile; a copy
+    of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense gradients again."""
+
+    _forge_live = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        sparse = self.sparse or not torch.compiler.is_compiling()
+        sparse = self.sparse or (not torch.compiler.is_compiling() and self._forge_live is not None)
         return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, sparse)
 
@@ -228,4 +242,5 @@ def unpatch(model: nn.Module) -> int:
             n += 1
         elif type(mod) is ForgeEmbedding:
             mod.__class__ = nn.Embedding
+            mod.__dict__.pop("_forge_live", None)
     return n

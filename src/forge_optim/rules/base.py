@@ -85,7 +85,10 @@ def _check(group: dict, key: str, ok, what: str) -> None:
     v = group[key]
     if isinstance(v, torch.Tensor):
         v = v.item()
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and ok(v)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"invalid {key}: {v!r} is a {type(v).__name__}, not a number (need {what}; "
+                         f"pass a float, e.g. {key}=1e-3)")
+    if not (math.isfinite(v) and ok(v)):
         raise ValueError(f"invalid {key}: {v!r} (need {what})")
 
 
