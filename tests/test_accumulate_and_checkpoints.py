@@ -269,3 +269,44 @@ def test_deepcopy_of_a_patched_model_trains_with_torch_optim():
     _train(ref_model, ref, data)
     assert rel_diff(copied, ref_model) <= TOL
     assert all(p.grad is None for p in model.parameters())  # the copy's backward touched no original
+
+
+def test_zero_grad_discards_the_fused_buffers_as_torch_discards_grad():
+    # a micro-batch accumulated and then dropped with opt.zero_grad() (a bad batch, a loss spike) must not
+    # reach the fused weights, as torch.optim's zero_grad drops it from .grad
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    data = batches(3)
+    with opt.accumulate():
+        loss_fn(model, data[0]).backward()
+    loss_fn(ref_model, data[0]).backward()
+    opt.zero_grad()
+    ref.zero_grad()
+    assert all(h.buffer is None for h in opt._handles.values())
+    for b in data[1:]:
+        for m, o in ((model, opt), (ref_model, ref)):
+            loss_fn(m, b).backward()
+            o.step()
+            o.zero_grad()
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_step_inside_accumulate_applies_the_buffer_like_torch():
+    # torch.optim's step() applies what .grad holds wherever it is called; inside accumulate() too
+    model, ref_model = twin()
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    data = batches(4)
+    for step in range(2):
+        with opt.accumulate():
+            for b in data[2 * step: 2 * step + 2]:
+                loss_fn(model, b).backward()
+            opt.step()
+            opt.zero_grad()
+        for b in data[2 * step: 2 * step + 2]:
+            loss_fn(ref_model, b).backward()
+        ref.step()
+        ref.zero_grad()
+        assert all(h.buffer is None for h in opt._handles.values())
+    assert rel_diff(model, ref_model) <= TOL

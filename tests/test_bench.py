@@ -229,3 +229,75 @@ def test_gpu_activity_keeps_inductor_kernels_and_drops_annotations():
     # a torch whose events carry no annotation flag: the name test is all there is
     old = [SimpleNamespace(name=e.name, device_type=e.device_type, is_user_annotation=None) for e in events]
     assert [e.name for e in bench.gpu_activity(old)] == ["multi_tensor_apply_kernel"]
+
+
+# ---- bad flags: a usage error (exit status 2), before any model is built or method started -------
+
+@pytest.fixture
+def no_run(monkeypatch):
+    """run_parsed records its namespace instead of benchmarking: a check that lets a bad flag through
+    fails the test rather than starting method processes."""
+    seen = []
+    monkeypatch.setattr(bench, "run_parsed", lambda ns, argv=None: seen.append(ns) or 0)
+    return seen
+
+
+def bench_usage_error(capsys, argv, entry=None) -> str:
+    with pytest.raises(SystemExit) as e:
+        (entry or bench.main)(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("usage: forge-optim bench")
+    return err.split("forge-optim bench: error: ", 1)[1]
+
+
+def test_unknown_model_lists_the_names(capsys, no_run):
+    from forge_optim.cli.main import main as cli_main
+
+    for entry, argv in ((bench.main, ["--model", "Llama-3"]), (cli_main, ["bench", "--model", "Llama-3"])):
+        msg = bench_usage_error(capsys, argv, entry)
+        assert "unknown --model 'Llama-3'" in msg and "--config" in msg
+        for name in bench_models.model_names():
+            assert name in msg
+    assert "use --config cfg.json" in bench_usage_error(capsys, ["--model", "cfg.json"])
+    assert not no_run
+
+
+def test_config_file_is_still_accepted_and_checked(tmp_path, capsys, no_run):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(bench_models.MODELS["tiny"]))
+    assert bench.main(["--config", str(path), "--device", "cpu"]) == 0
+    assert no_run[0].config == str(path)
+    assert "file not found" in bench_usage_error(capsys, ["--config", str(tmp_path / "nope.json")])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    assert "needs 'model_type'" in bench_usage_error(capsys, ["--config", str(bad)])
+    assert len(no_run) == 1
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0, got -1"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--seq-len", "-4"], "--seq-len must be an integer >= 1"),
+    (["--profile-steps", "-1"], "--profile-steps must be an integer >= 0"),
+    (["--layers", "0"], "--layers must be a positive integer"),
+    (["--lr", "0"], "--lr must be a positive number"),
+    (["--weight-decay", "-1"], "--weight-decay must be a number >= 0"),
+    (["--method-timeout", "0"], "--method-timeout must be a positive number"),
+    (["--time-budget", "-5"], "--time-budget must be a positive number"),
+    (["--methods", "forge,sgd"], "--methods: unknown method 'sgd'; choose from none, forge-bf16"),
+    (["--timeline-methods", "adam"], "--timeline-methods: unknown method 'adam'"),
+    (["--plot-only", "nope/results.json"], "--plot-only nope/results.json: file not found"),
+])
+def test_bad_bench_flags_are_usage_errors(capsys, no_run, argv, want):
+    assert want in bench_usage_error(capsys, ["--device", "cpu", "--model", "tiny", *argv])
+    assert not no_run
+
+
+def test_bench_device_cuda_without_cuda(capsys, no_run, monkeypatch):
+    monkeypatch.setattr(bench, "_cuda_available", lambda: False)
+    msg = bench_usage_error(capsys, ["--device", "cuda"])
+    assert "CUDA is not available" in msg and "--device cpu" in msg
+    bench_usage_error(capsys, ["--device", "gpu"])  # argparse: not one of auto, cuda, cpu
+    assert not no_run

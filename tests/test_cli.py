@@ -111,9 +111,12 @@ def test_train_on_text_and_jsonl_files(tmp_path):
 
 
 def test_bad_data_path_is_a_clear_error(tmp_path, capsys):
-    rc, _ = run_train(tmp_path, "--data", str(tmp_path / "missing.txt"), steps=2)
-    assert rc == 2
+    # a usage error now (checked before any work): argparse's SystemExit(2), the usage line and the message
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path, "--data", str(tmp_path / "missing.txt"), steps=2)
+    assert e.value.code == 2
     assert "data file not found" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # no run folder: nothing started
 
 
 def test_bench_subcommand_reaches_the_benchmark(capsys):
@@ -127,6 +130,149 @@ def test_no_subcommand_is_a_usage_error():
     with pytest.raises(SystemExit) as e:
         main([])
     assert e.value.code == 2
+
+
+# ---- bad flags: a usage error (exit status 2), before any model or data is built ----------------
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Replaces train(): a flag that passes the checks records its config instead of training, so these
+    tests stay fast and a check that lets a bad flag through fails the test rather than starting work."""
+    from forge_optim.cli import train as train_mod
+
+    seen = []
+
+    def fake_train(cfg, t_start=None):
+        seen.append(cfg)
+        return {"final_loss": 1.0}
+    monkeypatch.setattr(train_mod, "train", fake_train)
+    return seen
+
+
+def usage_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.startswith("usage: forge-optim train")  # train's usage, not the top-level one
+    assert "forge-optim train: error: " in err
+    return err.split("error: ", 1)[1]
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--heads", "3"], ["--hidden-size 128 is not divisible by --heads 3", "--heads 2 or --heads 4"]),
+    (["--hidden-size", "30", "--heads", "2"], ["15 dimensions per head, which must be even"]),
+    (["--hidden-size", "0"], ["--hidden-size must be a positive integer, got 0"]),
+    (["--layers", "0"], ["--layers must be a positive integer, got 0"]),
+    (["--heads", "-2"], ["--heads must be a positive integer, got -2"]),
+    (["--intermediate-size", "0"], ["--intermediate-size must be a positive integer"]),
+    (["--seq-len", "0"], ["--seq-len must be a positive integer"]),
+    (["--batch-size", "-1"], ["--batch-size must be a positive integer"]),
+    (["--grad-accum", "0"], ["--grad-accum must be a positive integer"]),
+    (["--steps", "0"], ["--steps must be a positive integer"]),
+    (["--eval-iters", "0"], ["--eval-iters must be a positive integer"]),
+    (["--log-every", "0"], ["--log-every must be a positive integer"]),
+    (["--warmup-steps", "-1"], ["--warmup-steps must be an integer >= 0, got -1"]),
+    (["--eval-every", "-5"], ["--eval-every must be an integer >= 0"]),
+    (["--lr", "0"], ["--lr must be a positive number, got 0.0"]),
+    (["--lr", "nan"], ["--lr must be a positive number, got nan"]),
+    (["--weight-decay", "-0.1"], ["--weight-decay must be a number >= 0"]),
+    (["--beta1", "1"], ["--beta1 must be in [0, 1), got 1.0"]),
+    (["--beta2", "-0.5"], ["--beta2 must be in [0, 1)"]),
+    (["--optimizer", "forge-sgd", "--momentum", "1.5"], ["--momentum must be in [0, 1)"]),
+    (["--optimizer", "forge-sgd", "--beta1", "0.9"], ["--beta1 does not apply to forge-sgd"]),
+    (["--momentum", "0.9"], ["--momentum applies to forge-sgd and forge-rmsprop only, not forge-adamw"]),
+    (["--min-lr-ratio", "2"], ["--min-lr-ratio", "must be in [0, 1], got 2.0"]),
+    (["--peak-tflops", "0"], ["--peak-tflops must be a positive number"]),
+    (["--seed", "-1"], ["--seed must be an integer in [0, 2**62)"]),
+    (["--device", "foo"], ["--device 'foo' is not a device; use cpu or cuda"]),
+])
+def test_bad_numbers_and_sizes_are_usage_errors(capsys, no_training, argv, want):
+    msg = usage_error(capsys, ["train", *argv])
+    for w in want:
+        assert w in msg, msg
+    assert not no_training
+
+
+def test_device_cuda_without_cuda(capsys, no_training, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    msg = usage_error(capsys, ["train", "--device", "cuda"])
+    assert "CUDA is not available" in msg and "omit --device" in msg and "--device cpu" in msg
+    assert not no_training
+
+
+def test_backend_triton_without_cuda(capsys, no_training, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    msg = usage_error(capsys, ["train", "--backend", "triton"])
+    assert "--backend triton needs" in msg and "--backend torch" in msg
+    if "needs Triton" not in msg:  # triton installed: the missing GPU is the problem
+        assert "needs a CUDA GPU" in msg and "TRITON_INTERPRET=1" in msg
+    assert not no_training
+
+
+def test_backend_triton_is_allowed_under_the_interpreter(monkeypatch, no_training):
+    """TRITON_INTERPRET=1: forge_optim's own triton_available() says yes, and so does the CLI."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["train", "--backend", "triton", "--device", "cpu"]) == 0
+    assert no_training[0].backend == "triton"
+
+
+def test_typo_flag_gets_the_train_usage_and_a_suggestion(capsys):
+    msg = usage_error(capsys, ["train", "--lrr", "1e-3"])
+    assert "unrecognized arguments: --lrr 1e-3" in msg and "did you mean --lr?" in msg
+
+
+def test_forge_only_flags_with_torch_adamw(capsys, no_training):
+    msg = usage_error(capsys, ["train", "--optimizer", "torch-adamw", "--state-dtype", "int8"])
+    assert "--state-dtype applies to the forge-* optimizers only, not torch-adamw" in msg
+    msg = usage_error(capsys, ["train", "--optimizer", "torch-adamw", "--backend", "auto", "--accumulate-dtype", "fp32",
+                               "--no-stochastic-rounding"])
+    for flag in ("--backend", "--accumulate-dtype", "--no-stochastic-rounding"):
+        assert flag in msg
+    assert not no_training
+    # defaults never count as set: torch-adamw on its own, and forge flags with a forge optimizer, pass
+    assert main(["train", "--optimizer", "torch-adamw"]) == 0
+    assert main(["train", "--backend", "torch", "--accumulate-dtype", "bf16", "--state-dtype", "int8"]) == 0
+    assert no_training[0].backend == "auto" and no_training[0].accumulate_dtype == "fp32"
+    assert no_training[1].backend == "torch" and no_training[1].accumulate_dtype == "bf16"
+
+
+def test_data_must_be_arith_or_an_existing_txt_or_jsonl(tmp_path, capsys, no_training):
+    py = tmp_path / "foo.py"
+    py.write_text("print('hi')\n")
+    for spec in ("foo.py", str(py), "arth"):
+        msg = usage_error(capsys, ["train", "--data", spec])
+        assert "not a data set this command reads" in msg and "'arith'" in msg and ".jsonl" in msg
+    msg = usage_error(capsys, ["train", "--data", str(tmp_path / "missing.jsonl")])
+    assert "data file not found" in msg
+    msg = usage_error(capsys, ["train", "--out-dir", str(py)])
+    assert "is a file, not a folder" in msg
+    assert not no_training
+
+
+def test_default_train_command_passes_the_checks(no_training):
+    """`forge-optim train` as the README runs it: the checks accept the defaults, and flags left unset
+    keep TrainConfig's values."""
+    from forge_optim.cli.train import TrainConfig
+
+    assert main(["train"]) == 0
+    cfg = no_training[0]
+    cfg.extra = {}
+    assert cfg == TrainConfig()
+
+
+def test_train_module_entry_and_train_function_check_too(capsys):
+    from forge_optim.cli import train as train_mod
+
+    with pytest.raises(SystemExit) as e:  # python -m forge_optim.cli.train
+        train_mod.run(["--heads", "3"])
+    assert e.value.code == 2 and "not divisible by --heads 3" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--steps must be a positive integer"):  # train(cfg) from Python
+        train_mod.train(train_mod.TrainConfig(steps=0))
 
 
 # ---- data -----------------------------------------------------------------------------------

@@ -626,3 +626,32 @@ def test_weight_frozen_after_the_optimizer_is_not_stepped():
     step_both(model, ref_model, opt, ref, n=2)
     assert torch.equal(model.up.weight, frozen)
     assert rel_diff(model, ref_model) <= TOL
+
+
+def test_scale_grad_by_freq_embedding_stays_dense_and_steps_like_torch():
+    # torch's sparse embedding backward refuses scale_grad_by_freq: such a table keeps its dense gradient
+    emb = nn.Embedding(20, 8, scale_grad_by_freq=True)
+    ref = copy.deepcopy(emb)
+    opt = forge_optim.AdamW(emb, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    ids = torch.tensor([[1, 1, 3, 7]])
+    for m, o in ((emb, opt), (ref, ref_opt)):
+        m(ids).sum().backward()
+        o.step()
+    assert not emb.weight.grad.is_sparse
+    assert torch.allclose(emb.weight, ref.weight, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_centered_rmsprop_never_writes_nan_when_rounding_makes_the_variance_negative(state_dtype):
+    # the same gradient every step: square_avg - grad_avg^2 -> 0, and bf16/int8 rounding takes it below 0;
+    # the sqrt is clamped at 0 (torch's fp32 form gives NaN there too, later, from round-off)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False))
+    x = torch.randn(8, 64)
+    opt = forge_optim.RMSprop(model, lr=1e-3, alpha=0.9, centered=True, state_dtype=state_dtype)
+    for _ in range(60):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.isfinite(model[0].weight).all()

@@ -687,8 +687,9 @@ class ForgeOptimizer(torch.optim.Optimizer):
                     if h.retained and not self._warned_retained:
                         self._warn_retained(h)
                     h.retained = False
-                    if h.buffer is not None and not self._accumulating:
-                        # accumulate() was used for every micro-step: apply the summed gradient now.
+                    if h.buffer is not None:
+                        # accumulate() was used for every micro-step (or step() is called inside it, as
+                        # torch.optim steps whatever .grad holds): apply the summed gradient now.
                         buf, h.buffer = h.buffer, None
                         self._apply_from_grad(p, group, buf)
                     continue
@@ -706,6 +707,16 @@ class ForgeOptimizer(torch.optim.Optimizer):
             else:
                 self._apply_batched(ps, group)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's zero_grad; also drops the fused layers' gradient buffers (accumulate() or
+        retain_graph=True), which hold what .grad would hold under torch.optim: a discarded micro-batch
+        is discarded for fused weights too."""
+        super().zero_grad(set_to_none)
+        for h in self._handles.values():
+            if h.buffer is not None:
+                h.buffer = None
+                h.retained = False
 
     # Small unfused parameters (norm weights, biases) are stepped together: one update over their
     # rows concatenated instead of one launch each (65 RMSNorm weights of an 8B Llama cost ~15 ms

@@ -203,12 +203,13 @@ def plan_sparse_embeddings(model: nn.Module, trained: set[int]) -> dict:
 
     Left dense: weights shared with another module (a tied lm_head adds a dense gradient anyway),
     frozen or untrained weights, DTensor shards (vocabulary parallelism), already sparse modules,
+    ``scale_grad_by_freq=True`` (torch's sparse embedding backward refuses it),
     and subclasses of nn.Embedding (their own forward may not pass ``sparse``). Under torch.compile
     the gradient stays dense (inductor cannot hold sparse tensors): see :class:`ForgeEmbedding`."""
     owners = param_owners(model)
     out = {}
     for name, mod in model.named_modules():
-        if (type(mod) is nn.Embedding and not mod.sparse and mod.weight.requires_grad
+        if (type(mod) is nn.Embedding and not mod.sparse and not mod.scale_grad_by_freq and mod.weight.requires_grad
                 and id(mod.weight) in trained and len(owners[id(mod.weight)]) == 1
                 and not dtensor.is_dtensor(mod.weight)):
             out[name] = mod

@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for Llama-3.1-8B BS=1 SEQ=512; needs CUDA and `pip install liger-kernel`)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda' or 'cpu'")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="'auto' (cuda if available), 'cuda' or 'cpu'")
     p.add_argument("--timeline-methods", default="forge-bf16,torch-fused-adamw",
                    help="methods whose within-step memory timeline is recorded (eager, CUDA only); '' for none")
     p.add_argument("--out-dir", default=None, help="output folder (default benchmarks/runs/<time>)")
@@ -230,10 +231,73 @@ def resolve_device(spec: str) -> str:
     return spec
 
 
+def _model_error(ns: argparse.Namespace) -> str | None:
+    """--model / --config: a known name, or a Hugging Face config.json that config_dict can read."""
+    from ..bench_models import config_dict, model_names
+
+    if ns.config:
+        if not os.path.isfile(ns.config):
+            return f"--config {ns.config}: file not found (pass a Hugging Face config.json)"
+        try:
+            config_dict(None, ns.config)
+        except (ValueError, OSError) as err:  # not JSON, or no model_type
+            return f"--config {ns.config}: {err}"
+        return None
+    if ns.model != "auto" and ns.model not in model_names():
+        hint = (f"; for a config file use --config {ns.model}" if ns.model.endswith(".json")
+                or os.path.isfile(ns.model) else " (or pass --config path/to/config.json)")
+        return f"unknown --model {ns.model!r}; choose from auto, {', '.join(model_names())}{hint}"
+    return None
+
+
+def check_args(ns: argparse.Namespace) -> str | None:
+    """The first problem with the driver's flags as a command-line message, or None. Cheap (no model
+    is built, no method process started): main runs it before any work."""
+    for name, low in (("batch_size", 1), ("seq_len", 1), ("steps", 1), ("warmup", 0), ("profile_steps", 0)):
+        v = getattr(ns, name)
+        if v < low:
+            return f"--{name.replace('_', '-')} must be an integer >= {low}, got {v}"
+    if ns.layers is not None and ns.layers < 1:
+        return f"--layers must be a positive integer (or omitted for the model's own depth), got {ns.layers}"
+    if not (ns.lr > 0 and ns.lr != float("inf")):  # also false for NaN
+        return f"--lr must be a positive number, got {ns.lr}"
+    if not (ns.weight_decay >= 0 and ns.weight_decay != float("inf")):
+        return f"--weight-decay must be a number >= 0, got {ns.weight_decay}"
+    if not ns.method_timeout > 0:
+        return f"--method-timeout must be a positive number of seconds, got {ns.method_timeout}"
+    if ns.time_budget is not None and not ns.time_budget > 0:
+        return f"--time-budget must be a positive number of seconds, got {ns.time_budget}"
+    if ns.plot_only:
+        return None if os.path.isfile(ns.plot_only) else f"--plot-only {ns.plot_only}: file not found (a results.json)"
+    msg = _model_error(ns)
+    if msg:
+        return msg
+    for flag, spec in (("--methods", ns.methods), ("--timeline-methods", ns.timeline_methods)):
+        try:
+            parse_methods(spec) if spec else None
+        except SystemExit as err:  # parse_methods' message, for the usage error
+            return f"{flag}: {str(err).removeprefix('forge-optim bench: ')}"
+    if ns.device == "cuda" and not _cuda_available():
+        import torch
+
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        return (f"--device cuda: CUDA is not available ({why}); omit --device (auto: cpu here, with the tiny "
+                "model) or pass --device cpu")
+    try:
+        check_loss(ns.loss, resolve_device(ns.device))
+    except SystemExit as err:
+        return str(err).removeprefix("forge-optim bench: ")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if ns.worker:
+    p = build_parser()
+    ns = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if ns.worker:  # started by the driver with flags it checked
         return worker_main(ns)
+    msg = check_args(ns)
+    if msg:
+        p.error(msg)  # usage + "error: ...", exit status 2, before any method process starts
     if ns.plot_only:
         res = json.loads(Path(ns.plot_only).read_text())
         out = Path(ns.out_dir) if ns.out_dir else Path(ns.plot_only).parent

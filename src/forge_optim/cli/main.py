@@ -10,6 +10,7 @@ Heavy imports (torch, transformers) happen only inside the subcommand that needs
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 
@@ -39,6 +40,23 @@ def _train(ns: argparse.Namespace) -> int:
     return run_parsed(ns)
 
 
+def _check_train(ns: argparse.Namespace) -> str | None:
+    from .train import check_args
+    return check_args(ns)
+
+
+def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for unknown arguments, with the nearest flag of ``parser`` for a typo."""
+    msg = f"unrecognized arguments: {' '.join(extra)}"
+    flags = [s for a in parser._actions for s in a.option_strings]
+    for arg in extra:
+        if arg.startswith("--"):
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+            if near:
+                return f"{msg} (did you mean {near[0]}? see {parser.prog} --help)"
+    return f"{msg} (see {parser.prog} --help)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .train import add_arguments
 
@@ -51,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(or the torch.optim.AdamW baseline) and write metrics.jsonl, loss.png and "
                        "config.json to a run folder.")
     add_arguments(t)
-    t.set_defaults(func=_train)
+    # _parser: errors about train's flags print train's usage; _check: validation before any work
+    t.set_defaults(func=_train, _parser=t, _check=_check_train)
     b = sub.add_parser("bench", add_help=False, help="step time and peak memory, FORGE against the peers "
                        "(forge-optim bench --help)")
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -63,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Time every candidate config of the fused kernel on a model's whole "
                        "weights on this GPU; later runs on this GPU take the winners (kernels/tuned.py).")
     tune_arguments(u)
-    u.set_defaults(func=_tune)
+    u.set_defaults(func=_tune, _parser=u)
     return p
 
 
@@ -73,7 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # the benchmark owns its whole argument list (and its --help)
         from .bench import main as bench_main
         return bench_main(argv[1:])
-    ns = build_parser().parse_args(argv)
+    p = build_parser()
+    # parse_known_args: with parse_args, a subcommand's unknown flag is reported by the top-level parser,
+    # with the top-level usage; the subcommand's own parser says it here, with its usage and flags
+    ns, extra = p.parse_known_args(argv)
+    sub = getattr(ns, "_parser", p)
+    if extra:
+        sub.error(unrecognized(sub, extra))
+    check = getattr(ns, "_check", None)
+    msg = check(ns) if check else None
+    if msg:
+        sub.error(msg)  # usage + "error: ...", exit status 2, before any model or data is built
     ns.t_start = t_start
     return ns.func(ns)
 

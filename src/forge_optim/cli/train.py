@@ -119,12 +119,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=float, default=None, help="SGD (default 0.9) and RMSprop (default 0)")
     g.add_argument("--state-dtype", choices=["fp32", "bf16", "int8"], default=None,
                    help="optimizer state precision (default: the weight's dtype)")
-    g.add_argument("--accumulate-dtype", choices=["fp32", "bf16"], default=d.accumulate_dtype,
-                   help="gradient buffer of the fused layers across --grad-accum micro-steps (bf16: half the memory)")
+    # --accumulate-dtype and --backend default to None (TrainConfig's value fills in): a value in the
+    # namespace then means the user set it, which check_args needs for the forge-only flags
+    g.add_argument("--accumulate-dtype", choices=["fp32", "bf16"], default=None,
+                   help=f"gradient buffer of the fused layers across --grad-accum micro-steps (bf16: half the "
+                   f"memory; default: {d.accumulate_dtype})")
     g.add_argument("--no-stochastic-rounding", dest="stochastic_rounding", action="store_const",
                    const=False, default=None, help="round-to-nearest for bf16 weights and states")
-    g.add_argument("--backend", choices=["auto", "torch", "triton"], default=d.backend,
-                   help="forge_optim backend (auto: triton on CUDA, torch otherwise)")
+    g.add_argument("--backend", choices=["auto", "torch", "triton"], default=None,
+                   help=f"forge_optim backend (default: {d.backend}: triton on CUDA, torch otherwise)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model for training steps (FORGE's fused linears are traced as custom ops; "
                    "evaluation stays eager)")
@@ -144,8 +147,142 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    names = set(TrainConfig.__dataclass_fields__) - {"extra"}
-    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    fields = TrainConfig.__dataclass_fields__
+    names = set(fields) - {"extra"}
+    # a flag left unset (None) where TrainConfig has a value takes that value
+    return TrainConfig(**{k: v for k, v in vars(ns).items()
+                          if k in names and not (v is None and fields[k].default is not None)})
+
+
+# flags that only forge_optim optimizers read (namespace dest -> flag); each defaults to None in
+# add_arguments, so a value means the user set it
+FORGE_ONLY_FLAGS = {"state_dtype": "--state-dtype", "stochastic_rounding": "--no-stochastic-rounding",
+                    "backend": "--backend", "accumulate_dtype": "--accumulate-dtype"}
+DATA_SUFFIXES = (".txt", ".jsonl")  # what data.load_dataset reads besides "arith"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_device(spec: str) -> str | None:
+    try:
+        dev = torch.device(spec)
+    except (RuntimeError, ValueError):
+        return f"--device {spec!r} is not a device; use cpu or cuda (cuda:N for one GPU of several)"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            return (f"--device {spec}: CUDA is not available ({why}); omit --device (it picks cuda when "
+                    "available, else cpu) or pass --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return (f"--device {spec}: there are only {torch.cuda.device_count()} CUDA device(s) "
+                    f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            return f"--device {spec}: MPS is not available; omit --device or pass --device cpu"
+    elif dev.type != "cpu":
+        return f"--device {spec}: training runs on cpu or cuda (cuda:N); omit --device to pick one"
+    return None
+
+
+def _check_triton(cfg: TrainConfig) -> str | None:
+    """--backend triton: the same test the optimizer makes (backends.triton_available), before any work."""
+    from .._triton import HAS_TRITON, interpreting
+    from ..backends import triton_available
+
+    fix = "omit --backend (auto picks the torch backend without CUDA) or pass --backend torch"
+    ok, why = triton_available()
+    if not ok and not HAS_TRITON:
+        return f"--backend triton needs Triton ({why}); or {fix}"
+    if not ok:
+        return (f"--backend triton needs a CUDA GPU, and none is visible; {fix}, or set TRITON_INTERPRET=1 "
+                "to run the Triton kernels on the CPU interpreter (slow; for testing)")
+    on_cpu = cfg.device is not None and torch.device(cfg.device).type != "cuda"
+    if on_cpu and not interpreting():  # a GPU is there, but the model is put on the CPU
+        return (f"--backend triton runs its kernels on CUDA tensors, not --device {cfg.device}; pass --backend "
+                "torch (or auto), or drop --device, or set TRITON_INTERPRET=1 (CPU interpreter, for testing)")
+    return None
+
+
+def _heads_hint(hidden: int, heads: int) -> str:
+    """The head counts nearest to ``heads`` that split ``hidden`` into even head dims."""
+    ok = [k for k in range(1, hidden + 1) if hidden % k == 0 and (hidden // k) % 2 == 0]
+    near = sorted(sorted(ok, key=lambda k: (abs(k - heads), k))[:2])
+    return " or ".join(f"--heads {k}" for k in near) if near else "an even --hidden-size"
+
+
+def check_config(cfg: TrainConfig) -> str | None:
+    """The first problem with ``cfg`` as a command-line message (flag, value, fix), or None. Cheap: it
+    builds no model and reads no data, so train() and the CLI run it before any work starts."""
+    if cfg.optimizer not in OPTIMIZERS:
+        return f"unknown optimizer {cfg.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
+    for name in ("hidden_size", "layers", "heads", "intermediate_size", "seq_len", "batch_size", "grad_accum",
+                 "steps", "eval_iters", "log_every"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < 1:
+            return f"{_flag(name)} must be a positive integer, got {v}"
+    for name in ("warmup_steps", "eval_every"):  # 0 is meaningful: no warm-up; eval only at the end
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or v < 0:
+            return f"{_flag(name)} must be an integer >= 0, got {v}"
+    if cfg.hidden_size % cfg.heads:
+        return (f"--hidden-size {cfg.hidden_size} is not divisible by --heads {cfg.heads} (each head gets "
+                f"hidden-size / heads dimensions); use {_heads_hint(cfg.hidden_size, cfg.heads)}, or change "
+                "--hidden-size")
+    if (cfg.hidden_size // cfg.heads) % 2:  # rotary embeddings rotate pairs of dimensions
+        return (f"--hidden-size {cfg.hidden_size} / --heads {cfg.heads} = {cfg.hidden_size // cfg.heads} "
+                f"dimensions per head, which must be even (rotary embeddings); use "
+                f"{_heads_hint(cfg.hidden_size, cfg.heads)}, or change --hidden-size")
+    if cfg.lr is not None and not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        return f"--lr must be a positive number, got {cfg.lr}"
+    if cfg.weight_decay is not None and not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        return f"--weight-decay must be a number >= 0, got {cfg.weight_decay}"
+    for name in ("beta1", "beta2", "momentum"):
+        v = getattr(cfg, name)
+        if v is not None and not 0 <= v < 1:  # also false for NaN
+            return f"{_flag(name)} must be in [0, 1), got {v}"
+    takes_betas = OPTIMIZERS[cfg.optimizer][3]
+    given = [_flag(n) for n in ("beta1", "beta2") if getattr(cfg, n) is not None]
+    if given and not takes_betas:
+        return (f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to {cfg.optimizer} (it has "
+                f"no betas); drop {'it' if len(given) == 1 else 'them'}")
+    if cfg.momentum is not None and cfg.optimizer not in ("forge-sgd", "forge-rmsprop"):
+        return f"--momentum applies to forge-sgd and forge-rmsprop only, not {cfg.optimizer}; drop --momentum"
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        return f"--min-lr-ratio is the cosine floor as a fraction of --lr and must be in [0, 1], got {cfg.min_lr_ratio}"
+    if cfg.peak_tflops is not None and not (math.isfinite(cfg.peak_tflops) and cfg.peak_tflops > 0):
+        return f"--peak-tflops must be a positive number, got {cfg.peak_tflops}"
+    if not 0 <= cfg.seed < 2**62:  # torch generators take 64 bits; eval and samples use seed + offsets
+        return f"--seed must be an integer in [0, 2**62), got {cfg.seed}"
+    if cfg.data != "arith":
+        if not cfg.data.endswith(DATA_SUFFIXES):
+            return (f"--data {cfg.data!r}: not a data set this command reads; pass 'arith' (built-in addition "
+                    "problems), a .txt file, or a .jsonl file with a 'text' field")
+        if not os.path.isfile(cfg.data):
+            return f"data file not found: {cfg.data} (--data takes 'arith' or a path to a .txt / .jsonl file)"
+    if cfg.device is not None:
+        msg = _check_device(cfg.device)
+        if msg:
+            return msg
+    if cfg.backend == "triton" and cfg.optimizer.startswith("forge-"):
+        msg = _check_triton(cfg)
+        if msg:
+            return msg
+    if cfg.out_dir is not None and os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        return f"--out-dir {cfg.out_dir} is a file, not a folder; pass a folder path (created if missing)"
+    return None
+
+
+def check_args(ns: argparse.Namespace) -> str | None:
+    """check_config for parsed flags, plus what only the namespace tells: which flags the user set."""
+    if not ns.optimizer.startswith("forge-"):
+        given = [flag for dest, flag in FORGE_ONLY_FLAGS.items() if getattr(ns, dest, None) is not None]
+        if given:
+            return (f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to the forge-* optimizers only, "
+                    f"not {ns.optimizer}; drop {' and '.join(given)} or pick a forge optimizer (e.g. --optimizer "
+                    "forge-adamw)")
+    return check_config(config_from_args(ns))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,11 +419,9 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
     from tqdm.auto import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
-    for name in ("steps", "batch_size", "seq_len", "grad_accum", "eval_iters", "log_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    msg = check_config(cfg)  # the CLI ran it already (check_args); here for callers of train(cfg)
+    if msg:
+        raise ValueError(msg)
     is_forge = cfg.optimizer.startswith("forge-")
     if not is_forge and (cfg.state_dtype or cfg.stochastic_rounding is not None or cfg.backend != "auto"):
         print(f"note: --state-dtype/--no-stochastic-rounding/--backend do not apply to {cfg.optimizer}; ignored")
@@ -484,7 +619,11 @@ def train(cfg: TrainConfig, t_start: float | None = None) -> dict:
 def run(argv: list[str] | None = None, prog: str = "forge-optim train") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run_parsed(p.parse_args(argv))
+    ns = p.parse_args(argv)
+    msg = check_args(ns)
+    if msg:
+        p.error(msg)  # usage + message, exit status 2, before any work
+    return run_parsed(ns)
 
 
 def run_parsed(ns: argparse.Namespace) -> int:

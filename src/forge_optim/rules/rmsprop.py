@@ -45,7 +45,9 @@ class RMSprop(Rule):
         if centered:
             ga = torch.lerp(s[-1], g, oma)
             s[-1] = ga
-            avg = (sq - ga * ga).sqrt() + eps
+            # clamped: in bf16/int8 states rounding can leave sq below ga^2, and a NaN would reach W
+            # (torch.optim's fp32 form never goes below 0 there except by round-off, where it gives NaN)
+            avg = (sq - ga * ga).clamp_min(0.0).sqrt() + eps
         else:
             avg = sq.sqrt() + eps
         if momentum > 0:
@@ -64,7 +66,7 @@ class RMSprop(Rule):
         s0 = s0 * alpha + g * g * oma
         if centered != 0:
             s2 = s2 + oma * (g - s2)
-            avg = tl.sqrt(s0 - s2 * s2) + eps
+            avg = tl.sqrt(tl.maximum(s0 - s2 * s2, 0.0)) + eps  # clamped: see the torch form
         else:
             avg = tl.sqrt(s0) + eps
         if momentum > 0:
