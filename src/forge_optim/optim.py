@@ -92,8 +92,9 @@ def accelerate_defers_step() -> bool:
     return state is not None and state.GradientState._shared_state.get("sync_gradients", True) is False
 
 
-class FusedWeight:
-    """Links one fused weight to its optimizer: counts pending uses, buffers, updates."""
+class FusedWeight(patch.LiveOnly):
+    """Links one fused weight to its optimizer: counts pending uses, buffers, updates. A copied or
+    pickled model carries no link to this optimizer (LiveOnly): its module runs unfused."""
 
     def __init__(self, optimizer: "ForgeOptimizer", module_name: str, param: nn.Parameter):
         # Strong: a patched model keeps its optimizer (and the states it updates) alive.
@@ -110,13 +111,6 @@ class FusedWeight:
         self.fast: _FastPath | None = None  # the prepared launch of the last update (optimizer-owned)
         self.grad_node = None  # the weight's AccumulateGrad node, to ask a backward what it wants of it
         self.id = register_handle(self)  # how the compiled form's custom ops find this handle
-
-    # A copied or pickled model carries no link to this optimizer: its module runs unfused.
-    def __deepcopy__(self, memo):
-        return None
-
-    def __reduce__(self):
-        return (type(None), ())
 
     @property
     def optimizer(self) -> "ForgeOptimizer":
@@ -326,14 +320,10 @@ class ForgeOptimizer(torch.optim.Optimizer):
             params = [p for p in model.parameters() if p.requires_grad or p.dtype in (torch.float32, torch.bfloat16)]
         # torch.optim's own flags ride along in each group so a state_dict loads into torch.optim as is.
         defaults = dict(defaults, **_TORCH_ONLY_FLAGS)
+        # before super().__init__: its add_param_group calls name the parameters they refuse
+        self._param_names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         super().__init__(params, defaults)
 
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.dtype not in (torch.float32, torch.bfloat16):
-                    raise ValueError(_dtype_message(names.get(id(p), "<not a parameter of the model>"), p.dtype))
-        self._param_names = names
         trained = {id(p) for g in self.param_groups for p in g["params"]}
         fuse, skip = patch.plan_fusion(model, trained, exclude)
         self._unfused = skip
@@ -359,14 +349,13 @@ class ForgeOptimizer(torch.optim.Optimizer):
             self.rule.validate(group)
             if group.get("amsgrad", False):
                 raise ValueError("amsgrad=True is not supported by forge_optim")
-            if "_param_names" in self.__dict__:  # after construction (which checks dtypes with names itself)
-                for p in group["params"]:
-                    if p.dtype not in (torch.float32, torch.bfloat16):
-                        raise ValueError(_dtype_message(self._param_name(p), p.dtype))
+            for p in group["params"]:
+                if p.dtype not in (torch.float32, torch.bfloat16):
+                    raise ValueError(_dtype_message(self._param_name(p), p.dtype))
         except Exception:
             self.param_groups.pop()
             raise
-        if "_param_names" in self.__dict__:
+        if "_unfused" in self.__dict__:  # a group added after construction
             self._note_added_linears(group)
 
     def _param_name(self, p: torch.Tensor) -> str:
