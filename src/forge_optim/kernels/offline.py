@@ -47,3 +47,41 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
     return k
+
+
+def compile_roles(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True):
+    """The role-split kernel (roles.forge_roles_kernel) for RolesConfig ``cfg``, specialized as
+    ``compile_fused``: registers, spills and shared memory decide how many programs share an SM."""
+    from . import roles
+
+    fn = roles.forge_roles_kernel
+    names = fn.arg_names
+    w_ptr = "*bf16" if w_bf16 else "*fp32"
+    ptr = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": w_ptr, "buf_ptr": "*fp32", "nf_ptr": "*i64",
+           "ring_ptr": "*fp32", "flag_ptr": "*i64"}
+    sdt = {fused.S_BF16: "*bf16", fused.S_FP32: "*fp32", fused.S_INT8: "*i8", fused.S_UINT8: "*u8", 0: w_ptr}
+    for slot, kind in enumerate((s_kind, s1_kind, 0)):
+        ptr[f"s{slot}_ptr"] = sdt[kind]
+        ptr[f"sc{slot}_ptr"] = "*bf16" if kind in (fused.S_INT8, fused.S_UINT8) else w_ptr
+    consts = dict(UPDATE=RULES[rule].triton_update, HAS_BUF=False, HAS_NF=True, W_BF16=w_bf16, W_SR=True,
+                  S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
+                  BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size, EPI_SPLIT=cfg.epi_split,
+                  EPI_LOOKAHEAD=cfg.epi_lookahead)
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in ptr:
+            sig[n] = ptr[n]
+        elif n == "EPOCH":
+            sig[n] = "i64"
+        elif n in ("BT", "M", "N", "NSB", "NUM_PROD", "NUM_CONS", "RING", "key_w", "key_s0", "key_s1", "key_s2"):
+            sig[n] = "i32"
+        else:
+            sig[n] = "fp32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n == "N"}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                       **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
