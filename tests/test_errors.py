@@ -206,3 +206,44 @@ def test_unfused_reason_follows_add_param_group():
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     assert not torch.equal(model[1].weight.detach(), before)  # stepped by opt.step() from its gradient
+
+
+@pytest.mark.parametrize("how", ["backward", "grad_wrt_input"])
+def test_double_backward_is_refused_by_name_before_any_write(how):
+    """create_graph=True through a fused layer (the first half of a gradient penalty) raises with the
+    module's name and the fix, and leaves weights and states as they were; the same model then trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = forge_optim.AdamW(model, lr=1e-2)
+    x = torch.randn(5, 6, requires_grad=True)
+    model(x).sum().backward()  # one ordinary step first, so that states exist
+    opt.step()
+    opt.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = states_snapshot(opt)
+    out = model(x).sum()
+    with pytest.raises(RuntimeError, match=r"create_graph=True reached the fused linear '2'.*exclude="):
+        if how == "backward":
+            out.backward(create_graph=True)
+        else:
+            torch.autograd.grad(out, x, create_graph=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    assert_states_unchanged(opt, saved)
+    del out
+    model(x).sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, weights["0.weight"])
+
+
+def test_gradient_penalty_trains_with_the_critic_excluded():
+    """The documented fix: exclude the critic's linears; an R1-style penalty then backpropagates twice."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = forge_optim.AdamW(critic, lr=1e-2, exclude=["*"])
+    x = torch.randn(5, 6, requires_grad=True)
+    (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+    w0 = critic[0].weight.detach().clone()
+    (critic(x).mean() + g.square().sum()).backward()
+    opt.step()
+    assert not torch.equal(critic[0].weight, w0)

@@ -22,7 +22,6 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from . import dtensor
 
@@ -85,8 +84,16 @@ class FusedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        # A plain backward runs this with grad mode off; on only under create_graph=True, whose graph would
+        # be differentiated again (a gradient penalty): refused before anything is written.
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"forge_optim: backward with create_graph=True reached the fused linear '{ctx.handle.name}'. "
+                "Double backward (a gradient penalty: WGAN-GP, R1, input-gradient regularizers) cannot go "
+                "through a fused layer: its backward updates the weight in place and never forms the gradient "
+                "a second backward would differentiate. Exclude the module from fusion (exclude=['...'] when "
+                "creating the optimizer); nothing was updated")
         x, w = ctx.saved_tensors
         dx = db = None
         if ctx.needs_input_grad[0]:
