@@ -37,12 +37,11 @@ from test_roles_kernel import launch_job  # noqa: E402
 FUSED = [L.SMALL_BT_CONFIGS[-4], L.SMALL_BT_CONFIGS[-3], L.SMALL_BT_CONFIGS[-2], L.SMALL_BT_CONFIGS[4]]
 FUSED_LARGE = [L.LARGE_BT_CONFIGS[0], L.LARGE_BT_CONFIGS[4]]
 ROLES = [
-    RolesConfig(epi_split=8, maxnreg=128),  # 128x128 w8: 1 producer + 1 consumer per SM
-    RolesConfig(epi_split=8, maxnreg=128, ring_per_producer=4),
-    RolesConfig(BM=64, BN=128, num_warps=4, epi_split=8, maxnreg=128, consumers_per_sm=2),
-    RolesConfig(BM=64, BN=128, num_warps=4, epi_split=4, epi_lookahead=0, maxnreg=168, consumers_per_sm=2),
-    RolesConfig(BM=64, BN=64, num_warps=4, epi_split=4, maxnreg=128, producers_per_sm=2, consumers_per_sm=2),
-    RolesConfig(BM=64, BN=64, num_warps=4, epi_split=4, maxnreg=128, producers_per_sm=1, consumers_per_sm=3),
+    RolesConfig(),  # 128x128 w8 e8 r128: 1 producer + 1 consumer per SM
+    RolesConfig(BM=64, BN=128, num_warps=4, epi_split=8, consumers_per_sm=2),
+    RolesConfig(BM=64, BN=64, num_warps=4, epi_split=4, producers_per_sm=2, consumers_per_sm=2),
+    RolesConfig(BM=64, BN=64, num_warps=4, epi_split=4, producers_per_sm=1, consumers_per_sm=3),
+    RolesConfig(BM=32, BN=128, num_warps=4, epi_split=4, producers_per_sm=1, consumers_per_sm=3),
 ]
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import forge_optim
-from helpers import ReusedLinear, rel_diff
+from helpers import ReusedLinear, adam_bound, rel_diff
 
 transformers = pytest.importorskip("transformers")
 from test_hf import hf_batches, tiny_llama  # noqa: E402
@@ -177,21 +177,26 @@ def test_compiled_retained_graph_backpropagated_twice_is_one_step(monkeypatch):
     (its error names donated_buffer), and its compile caches do not key on that switch, so a backward
     cached with donated buffers by an earlier compile (another test, another process) hands the second
     pass corrupted saved tensors silently (seen with torch 2.13: compiled FORGE and compiled torch.optim
-    agreed, both 0.5 off eager torch.optim); hence no caches here."""
+    agreed, both 0.5 off eager torch.optim); hence no caches here. The bound is the fp32 one, or Adam's
+    amplified round-off measured as torch's fused AdamW against its single-tensor one on the same run
+    (``adam_bound``; with transformers 5.25 the second step's gap is 1.1e-5 of max|W|)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(functorch_config, "donated_buffer", False)
     monkeypatch.setattr(inductor_config, "force_disable_caches", True)
     model, ref_model, opt, ref, cmodel, cref = _compiled_pair()
+    noise_model = copy.deepcopy(ref_model)
+    noise_opt = torch.optim.AdamW(noise_model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    cnoise = torch.compile(noise_model)
     for ids in hf_batches(2):
-        for m, o in ((cmodel, opt), (cref, ref)):
+        for m, o in ((cmodel, opt), (cref, ref), (cnoise, noise_opt)):
             loss = m(input_ids=ids, labels=ids).loss
             loss.backward(retain_graph=True)
             (0.5 * loss).backward()
             o.step()
             o.zero_grad()
-    assert rel_diff(model, ref_model) <= TOL
+    assert rel_diff(model, ref_model) <= adam_bound(rel_diff(noise_model, ref_model), TOL)
     assert all(h.buffer is None and h.pending_traced == 0 for h in opt._handles.values())
 
 

@@ -134,9 +134,9 @@ def test_gpu_roles_bits_equal_fused(shape, mode):
     dy, x = _gpu_inputs(BT, M, N, seed=5)
     dy[BT // 3, 17] = float("nan")
     for rc in (RolesConfig(), RolesConfig(ring_per_producer=1),
-               RolesConfig(BM=64, BN=128, num_warps=4, producers_per_sm=1, consumers_per_sm=2, maxnreg=168),
+               RolesConfig(BM=64, BN=128, num_warps=4, producers_per_sm=1, consumers_per_sm=2),
                RolesConfig(BM=64, BN=128, num_warps=4, producers_per_sm=2, consumers_per_sm=1, maxnreg=168,
-                           epi_lookahead=0, epi_split=2)):
+                           epi_lookahead=0, epi_split=4)):
         fc = KernelConfig(rc.BM, rc.BN, rc.BK, rc.num_warps, rc.num_stages, rc.group_size, 1, rc.epi_split,
                           epi_lookahead=rc.epi_lookahead)
         job = make_job("AdamW", mode, M, N, device="cuda", seed=6)

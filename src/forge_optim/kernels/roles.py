@@ -160,10 +160,10 @@ class RolesConfig:
     group_size: int = 8
     producers_per_sm: int = 1
     consumers_per_sm: int = 1
-    ring_per_producer: int = 2  # slots = producers x this (each slot BM x BN fp32)
-    epi_split: int = 4
+    ring_per_producer: int = 2  # slots = max(producers, consumers) x this (each slot BM x BN fp32)
+    epi_split: int = 8  # 128x128 at 8 warps: 128 registers, no spills (1 producer + 1 consumer per SM)
     epi_lookahead: int = 1
-    maxnreg: int = 0
+    maxnreg: int = 128
 
     def short(self) -> str:
         return (f"roles {self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
@@ -228,7 +228,9 @@ def launch_roles(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None,
         sms = _launch._sm_count(weight.device)
         n_prod = max(1, min(tiles, sms * cfg.producers_per_sm))
         n_cons = max(1, min(tiles, sms * cfg.consumers_per_sm))
-        ring_slots = max(1, min(tiles, n_prod * cfg.ring_per_producer))
+        # every consumer needs slots of its own beyond the one it is reading, or it waits for a producer's
+        # store after each tile (2026-12-06 H100, first run: a ring of one slot per consumer)
+        ring_slots = max(1, min(tiles, max(n_prod, n_cons) * cfg.ring_per_producer))
         use_tma = BT > 0 and _launch._tma_ok(dy, x)
         if use_tma:
             _launch._ensure_allocator()
