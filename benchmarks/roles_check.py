@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import roles as R  # noqa: E402
-from forge_optim.kernels.launch import KernelConfig  # noqa: E402
 from forge_optim.kernels.roles import RolesConfig  # noqa: E402
 
 from bench_kernel import measure_peaks, random_case, rotating_inputs, state_bytes, unfused_step  # noqa: E402

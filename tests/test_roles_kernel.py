@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,12 +21,12 @@ import torch
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HERE = Path(__file__).resolve()
-REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
 
 triton = pytest.importorskip("triton")
 
-from test_triton_kernel import RULE_CASES, exact_inputs, make_job  # noqa: E402
+from helpers import run_interpreter_half  # noqa: E402
+from test_triton_kernel import exact_inputs, make_job  # noqa: E402
 
 
 def launch_job(launcher, job, dy, x, config):
@@ -68,16 +67,7 @@ if not INTERP:
 
     def test_roles_interpreter_suite():
         """Run the interpreter half of this file in a child process with TRITON_INTERPRET=1."""
-        env = dict(os.environ)
-        env["TRITON_INTERPRET"] = "1"
-        src = str(REPO / "src")
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE)],
-            cwd=str(REPO), env=env, capture_output=True, text=True, timeout=900)
-        tail = (proc.stdout + proc.stderr)[-6000:]
-        assert proc.returncode == 0, f"interpreter tests failed:\n{tail}"
-        assert " passed" in proc.stdout, tail
+        run_interpreter_half(HERE)
 
 
 if INTERP:

@@ -76,31 +76,11 @@ def forge_roles_kernel(
     free_ptr = flag_ptr + RING
     if pid < NUM_PROD:
         k_tiles = tl.cdiv(BT, BK)
-        if USE_TMA:
-            dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[BT, M], strides=[M, 1], block_shape=[BK, BM])
-            x_desc = tl.make_tensor_descriptor(x_ptr, shape=[BT, N], strides=[N, 1], block_shape=[BK, BN])
-        offs_k = tl.arange(0, BK)
+        dy_src, x_src = fused._wgrad_sources(dy_ptr, x_ptr, BT, M, N, USE_TMA, BM, BN, BK)
         for tile_id in tl.range(pid, num_tiles, NUM_PROD, num_stages=1):  # (no loads hoisted over a wait)
             pid_m, pid_n = fused._tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
-            offs_m = pid_m * BM + tl.arange(0, BM)
-            offs_n = pid_n * BN + tl.arange(0, BN)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kt in range(0, k_tiles):
-                k0 = kt * BK
-                if USE_TMA:
-                    a = dy_desc.load([k0, pid_m * BM])  # [BK, BM]
-                    b = x_desc.load([k0, pid_n * BN])  # [BK, BN]
-                else:
-                    kk = k0 + offs_k
-                    kmask = kk[:, None] < BT
-                    a = tl.load(dy_ptr + kk[:, None].to(tl.int64) * M + offs_m[None, :],
-                                mask=kmask & (offs_m[None, :] < M), other=0.0)
-                    b = tl.load(x_ptr + kk[:, None].to(tl.int64) * N + offs_n[None, :],
-                                mask=kmask & (offs_n[None, :] < N), other=0.0)
-                if INTERPRET:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
+            acc = fused._wgrad_tile(dy_src, x_src, pid_m, pid_n, BT, M, N, k_tiles, USE_TMA, INTERPRET, DOT_PREC,
+                                    BM, BN, BK)
             if HAS_NF and not HAS_BUF:  # as the fused kernel: from the whole tile, here off the update's path
                 fused._count_nonfinite_tile(acc, pid_m * BM, pid_n * BN, M, N, nf_ptr, BM, BN)
             slot = tile_id % RING
@@ -211,16 +191,7 @@ def launch_roles(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None,
     cfg = config
     nsb = (N + 63) // 64
     dummy = weight
-    ptrs, scales, kinds = [], [], []
-    for view in states:
-        if view is None:
-            ptrs.append(dummy)
-            scales.append(dummy)
-            kinds.append(fused.S_NONE)
-        else:
-            ptrs.append(view.data)
-            scales.append(view.scale if view.quantized else dummy)
-            kinds.append(_launch.state_kind(view))
+    ptrs, scales, kinds = _launch.state_args(states, dummy)
     tiles = -(-M // cfg.BM) * -(-N // cfg.BN)
     if interp:
         n_prod, n_cons, ring_slots, use_tma = min(tiles, 2), min(tiles, 2), tiles, False
