@@ -126,4 +126,4 @@ def test_role_split_default_fits_a_producer_and_a_consumer_per_sm(states):
     assert 2 * (k.metadata.shared + 1024) <= 233472, k.metadata.shared
     ptx = k.asm["ptx"]
     assert "wgmma" in ptx
-    assert "atom.global.gpu.acq" in ptx and "atom.global.gpu.release.exch" in ptx
+    assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.exch" in ptx  # (an add of 0 is a load)
