@@ -109,21 +109,3 @@ def test_static_launch_layout_matches_the_kernel_entry(states):
     assert [as_ptx[c] for c in tys] == params
     assert k.metadata.global_scratch_size > 0  # the device-side TMA descriptors live there
 
-
-@pytest.mark.parametrize("states", ["bf16", "int8"])
-def test_role_split_default_fits_a_producer_and_a_consumer_per_sm(states):
-    """The role-split kernel's programs wait on one another, so its launcher refuses a grid that does not
-    fit the SMs at once; its default (128x128, 8 warps, 8 epilogue slices) must therefore fit 2 programs
-    per SM: at most 128 registers without spills and under half of an H100 SM's shared memory. The GEMM
-    runs on wgmma and the ring's flags are taken with acquire and published with release."""
-    from forge_optim.kernels.offline import compile_roles
-    from forge_optim.kernels.ptxas import ptxas_usage
-    from forge_optim.kernels.roles import RolesConfig
-
-    k = compile_roles(RolesConfig(), *fused.ADAM_STATE_KINDS[states][:2])
-    use = ptxas_usage(k.asm["ptx"])
-    assert use["registers"] <= 128 and use["spill_bytes"] == 0, use
-    assert 2 * (k.metadata.shared + 1024) <= 233472, k.metadata.shared
-    ptx = k.asm["ptx"]
-    assert "wgmma" in ptx
-    assert "ld.global.gpu.acquire" in ptx and "atom.global.gpu.release.exch" in ptx  # (an add of 0 is a load)

@@ -1,5 +1,5 @@
-"""Offline compilation of the fused Triton kernel (and the role-split one) for sm_90a (no GPU: Triton's
-bundled toolchain), for reports (benchmarks/compile_report.py) and for tests of properties of the
+"""Offline compilation of the fused Triton kernel for sm_90a (no GPU: Triton's bundled toolchain),
+for reports (benchmarks/compile_report.py) and for tests of properties of the
 generated code. Needs a Triton whose ``triton.jit`` is not the interpreter's (TRITON_INTERPRET unset)."""
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ from ..rules import RULES
 from . import fused
 
 
-def _compile(fn, cfg, s_kind, s1_kind, consts: dict, rule: str, w_bf16: bool, in_dtype: str,
-             extra_ptrs: dict, ints: tuple, i64s: tuple = ()):
+def _compile(fn, cfg, s_kind, s1_kind, consts: dict, rule: str, w_bf16: bool, in_dtype: str, ints: tuple):
     """``fn`` in update mode (stochastic rounding, non-finite count) with state kinds ``s_kind``/``s1_kind``
     (fused.S_*) and the config's launch options, specialized as the runtime would for our shapes."""
     names = fn.arg_names
     w_ptr = "*bf16" if w_bf16 else "*fp32"
     # as the launchers pass them: int8 states' scales are bf16 (precision.SCALE_DTYPE); an unused
     # pointer is the weight
-    ptr = {"dy_ptr": f"*{in_dtype}", "x_ptr": f"*{in_dtype}", "w_ptr": w_ptr, "buf_ptr": "*fp32", "nf_ptr": "*i64",
-           **extra_ptrs}
+    ptr = {"dy_ptr": f"*{in_dtype}", "x_ptr": f"*{in_dtype}", "w_ptr": w_ptr, "buf_ptr": "*fp32", "nf_ptr": "*i64"}
     sdt = {fused.S_BF16: "*bf16", fused.S_FP32: "*fp32", fused.S_INT8: "*i8", fused.S_UINT8: "*u8", 0: w_ptr}
     for slot, kind in enumerate((s_kind, s1_kind, 0)):
         ptr[f"s{slot}_ptr"] = sdt[kind]
@@ -35,8 +33,6 @@ def _compile(fn, cfg, s_kind, s1_kind, consts: dict, rule: str, w_bf16: bool, in
             sig[n] = "constexpr"
         elif n in ptr:
             sig[n] = ptr[n]
-        elif n in i64s:
-            sig[n] = "i64"
         elif n in ints:
             sig[n] = "i32"
         else:
@@ -57,14 +53,5 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
     """The fused kernel for KernelConfig ``cfg`` (see ``_compile``)."""
     return _compile(fused.forge_fused_kernel, cfg, s_kind, s1_kind,
                     dict(MODE=0, USE_TMA=use_tma, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch),
-                    rule, w_bf16, in_dtype, {}, ("BT", "M", "N", "NSB", "NUM_PROGS") + _KEYS)
+                    rule, w_bf16, in_dtype, ("BT", "M", "N", "NSB", "NUM_PROGS") + _KEYS)
 
-
-def compile_roles(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True):
-    """The role-split kernel (roles.forge_roles_kernel) for RolesConfig ``cfg`` (see ``_compile``): registers,
-    spills and shared memory decide how many programs share an SM."""
-    from . import roles
-
-    return _compile(roles.forge_roles_kernel, cfg, s_kind, s1_kind, dict(USE_TMA=use_tma), rule, w_bf16, "bf16",
-                    {"ring_ptr": "*fp32", "flag_ptr": "*i64"},
-                    ("BT", "M", "N", "NSB", "NUM_PROD", "NUM_CONS", "RING") + _KEYS, ("EPOCH",))
