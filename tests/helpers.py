@@ -180,24 +180,3 @@ def bf16_accumulation_matches_reference(backend: str, device: str = "cpu") -> No
     ref.step()
     assert all(opt._handles[n].buffer is None for n in fused)
     assert rel_diff(model, ref_model) <= 1e-5
-
-
-def run_interpreter_half(test_file) -> None:
-    """Run ``test_file`` again in a child process with TRITON_INTERPRET=1 (which must be set before triton
-    is imported and changes triton.jit process-wide), where its interpreter tests are collected; fails
-    with the child's output if any of them fails or none ran."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    repo = Path(test_file).resolve().parents[1]
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    src = str(repo / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(test_file)],
-                          cwd=str(repo), env=env, capture_output=True, text=True, timeout=900)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreter tests failed:\n{tail}"
-    assert " passed" in proc.stdout, tail

@@ -108,4 +108,3 @@ def test_static_launch_layout_matches_the_kernel_entry(states):
     as_ptx = {"O": "u64", "i": "u32", "f": "f32"}
     assert [as_ptx[c] for c in tys] == params
     assert k.metadata.global_scratch_size > 0  # the device-side TMA descriptors live there
-

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +21,11 @@ import torch
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
 
 triton = pytest.importorskip("triton")
 
 from forge_optim import precision  # noqa: E402
-from helpers import run_interpreter_half  # noqa: E402
 from forge_optim.backends.base import StateView, UpdateJob  # noqa: E402
 from forge_optim.backends.torch_backend import TorchBackend, apply_update  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
@@ -229,7 +231,16 @@ if not INTERP:
 
     def test_interpreter_suite():
         """Run the interpreter half of this file in a child process with TRITON_INTERPRET=1."""
-        run_interpreter_half(HERE)
+        env = dict(os.environ)
+        env["TRITON_INTERPRET"] = "1"
+        src = str(REPO / "src")
+        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE)],
+            cwd=str(REPO), env=env, capture_output=True, text=True, timeout=900)
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        assert proc.returncode == 0, f"interpreter tests failed:\n{tail}"
+        assert " passed" in proc.stdout, tail
 
     def test_interpreter_flag_not_leaked():
         """The subprocess trick must not leave TRITON_INTERPRET set for the rest of the suite."""

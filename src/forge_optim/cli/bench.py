@@ -278,10 +278,9 @@ def check_args(ns: argparse.Namespace) -> str | None:
         except SystemExit as err:  # parse_methods' message, for the usage error
             return f"{flag}: {str(err).removeprefix('forge-optim bench: ')}"
     if ns.device == "cuda" and not _cuda_available():
-        import torch
+        from .main import no_cuda_reason
 
-        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
-        return (f"--device cuda: CUDA is not available ({why}); omit --device (auto: cpu here, with the tiny "
+        return (f"--device cuda: CUDA is not available ({no_cuda_reason()}); omit --device (auto: cpu here, with the tiny "
                 "model) or pass --device cpu")
     try:
         check_loss(ns.loss, resolve_device(ns.device))

@@ -45,6 +45,13 @@ def _check_train(ns: argparse.Namespace) -> str | None:
     return check_args(ns)
 
 
+def no_cuda_reason() -> str:
+    """Why torch has no CUDA device here, for the --device cuda errors of train and bench."""
+    import torch
+
+    return "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+
+
 def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
     """argparse's message for unknown arguments, with the nearest flag of ``parser`` for a typo."""
     msg = f"unrecognized arguments: {' '.join(extra)}"

@@ -172,8 +172,9 @@ def _check_device(spec: str) -> str | None:
         return f"--device {spec!r} is not a device; use cpu or cuda (cuda:N for one GPU of several)"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
-            return (f"--device {spec}: CUDA is not available ({why}); omit --device (it picks cuda when "
+            from .main import no_cuda_reason
+
+            return (f"--device {spec}: CUDA is not available ({no_cuda_reason()}); omit --device (it picks cuda when "
                     "available, else cpu) or pass --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             return (f"--device {spec}: there are only {torch.cuda.device_count()} CUDA device(s) "

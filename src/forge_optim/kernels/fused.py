@@ -400,46 +400,6 @@ def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
 
 
-@jit
-def _wgrad_sources(dy_ptr, x_ptr, BT, M, N, USE_TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   BK: tl.constexpr):
-    """What ``_wgrad_tile`` reads dY [BT, M] and X [BT, N] through: TMA descriptors, or the pointers."""
-    if USE_TMA:
-        dy_src = tl.make_tensor_descriptor(dy_ptr, shape=[BT, M], strides=[M, 1], block_shape=[BK, BM])
-        x_src = tl.make_tensor_descriptor(x_ptr, shape=[BT, N], strides=[N, 1], block_shape=[BK, BN])
-    else:
-        dy_src = dy_ptr
-        x_src = x_ptr
-    return dy_src, x_src
-
-
-@jit
-def _wgrad_tile(dy_src, x_src, pid_m, pid_n, BT, M, N, k_tiles, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
-                DOT_PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The mainloop: G = dY[:, rows]^T X[:, cols] of tile (pid_m, pid_n), fp32, over ``k_tiles`` K slices."""
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kt in range(0, k_tiles):
-        k0 = kt * BK
-        if USE_TMA:
-            a = dy_src.load([k0, pid_m * BM])  # [BK, BM]
-            b = x_src.load([k0, pid_n * BN])  # [BK, BN]
-        else:
-            kk = k0 + offs_k
-            kmask = kk[:, None] < BT
-            a = tl.load(dy_src + kk[:, None].to(tl.int64) * M + offs_m[None, :],
-                        mask=kmask & (offs_m[None, :] < M), other=0.0)
-            b = tl.load(x_src + kk[:, None].to(tl.int64) * N + offs_n[None, :],
-                        mask=kmask & (offs_n[None, :] < N), other=0.0)
-        if INTERPRET:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
-    return acc
-
-
 # BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
 # specialize on them, or a key that happens to be divisible by 16 would trigger a recompile.
 @jit(do_not_specialize=["BT", "M", "NSB", "NUM_PROGS", "key_w", "key_s0", "key_s1", "key_s2"])
@@ -460,13 +420,18 @@ def forge_fused_kernel(
     num_pid_n = tl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     k_tiles = tl.cdiv(BT, BK)
-    dy_src, x_src = _wgrad_sources(dy_ptr, x_ptr, BT, M, N, USE_TMA, BM, BN, BK)
+    if USE_TMA:
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[BT, M], strides=[M, 1], block_shape=[BK, BM])
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[BT, N], strides=[N, 1], block_shape=[BK, BN])
+    offs_k = tl.arange(0, BK)
     # a second tile counter for the epilogue (as Triton's persistent-matmul tutorial): with
     # FLATTEN the tile and K loops become one software-pipelined loop, so the next tile's loads
     # are in flight while this tile's epilogue runs.
     tile_id_c = start_pid - NUM_PROGS
     for tile_id in tl.range(start_pid, num_tiles, NUM_PROGS, flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
         if PREFETCH:  # the tile's epilogue operands start their trip to L2 during the mainloop
             if MODE == 1 or HAS_BUF:
                 _prefetch_l2(buf_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
@@ -478,7 +443,23 @@ def forge_fused_kernel(
                     _prefetch_l2(s1_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
                 if S2 != 0:
                     _prefetch_l2(s2_ptr, pid_m * BM, pid_n * BN, M, N, BM, BN)
-        acc = _wgrad_tile(dy_src, x_src, pid_m, pid_n, BT, M, N, k_tiles, USE_TMA, INTERPRET, DOT_PREC, BM, BN, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            k0 = kt * BK
+            if USE_TMA:
+                a = dy_desc.load([k0, pid_m * BM])  # [BK, BM]
+                b = x_desc.load([k0, pid_n * BN])  # [BK, BN]
+            else:
+                kk = k0 + offs_k
+                kmask = kk[:, None] < BT
+                a = tl.load(dy_ptr + kk[:, None].to(tl.int64) * M + offs_m[None, :],
+                            mask=kmask & (offs_m[None, :] < M), other=0.0)
+                b = tl.load(x_ptr + kk[:, None].to(tl.int64) * N + offs_n[None, :],
+                            mask=kmask & (offs_n[None, :] < N), other=0.0)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a.T, b, acc, input_precision=DOT_PREC)
         tile_id_c += NUM_PROGS
         pid_mc, pid_nc = _tile_coords(tile_id_c, num_pid_m, num_pid_n, GROUP_SIZE)
         row0 = pid_mc * BM

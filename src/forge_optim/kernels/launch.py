@@ -172,21 +172,6 @@ def state_kind(view) -> int:
     return fused.S_FP32
 
 
-def state_args(states, dummy: torch.Tensor) -> tuple[list, list, list]:
-    """The kernels' per-slot state arguments: data, int8 scales (``dummy`` where there are none) and kind."""
-    ptrs, scales, kinds = [], [], []
-    for view in states:
-        if view is None:
-            ptrs.append(dummy)
-            scales.append(dummy)
-            kinds.append(fused.S_NONE)
-        else:
-            ptrs.append(view.data)
-            scales.append(view.scale if view.quantized else dummy)
-            kinds.append(state_kind(view))
-    return ptrs, scales, kinds
-
-
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """The kernel writes its TMA descriptors here. One buffer per (device, stream), grown when
     needed: launches on one stream run in order, so reuse is safe, and it saves an allocator call
@@ -254,7 +239,16 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
                             config=config)
     nsb = (N + 63) // 64
     dummy = weight
-    ptrs, scales, kinds = state_args(states, dummy)
+    ptrs, scales, kinds = [], [], []
+    for view in states:
+        if view is None:
+            ptrs.append(dummy)
+            scales.append(dummy)
+            kinds.append(fused.S_NONE)
+        else:
+            ptrs.append(view.data)
+            scales.append(view.scale if view.quantized else dummy)
+            kinds.append(state_kind(view))
     cfg = config
     if not interp and dy.element_size() == 4 and cfg.BK > 32:
         # fp32 operands: half the K depth keeps the pipelined stages inside shared memory
