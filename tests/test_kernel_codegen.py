@@ -63,17 +63,21 @@ def test_epilogue_lookahead_issues_next_slice_loads_before_stores(states):
     assert "bar.sync" not in ptx[first:last]
 
 
-def test_adamw_bf16_epilogue_draws_two_hashes_and_divides_approximately():
-    """Per element of the bf16-weight, bf16-state AdamW epilogue: two SR hashes for three bf16 stores
-    (W and m share one: the low and high halves), two multiplies each, and m / denom as one
-    div.approx.ftz.f32 (its denominator clamped to FLT_MIN). Before, three hashes and a div.full.f32
-    with its range checks: the hot epilogue went from 78 to 54 SASS instructions per element on the
-    64x64 config (with the high-half packing of the SR stores) (benchmarks/NOTES.md, eighth session). The div.full.f32 left is the scalar
-    1 / sqrt(bias_correction2)."""
+def test_adamw_bf16_epilogue_draws_one_hash_and_divides_approximately():
+    """Per element of the bf16-weight, bf16-state AdamW epilogue: one SR hash (two multiplies) for three
+    bf16 stores (W, m and v take its low half, its high half and the high half of its product with
+    precision.DRAW2_MUL: one more multiply), and m / denom as one div.approx.ftz.f32 (its denominator
+    clamped to FLT_MIN). Eighth session: three hashes and a div.full.f32 with its range checks became
+    two hashes and div.approx (hot epilogue 78 -> 54 SASS instructions per element at 64x64); twenty-first
+    session: two hashes became one (hot slice 46.9 -> 40.0 per element at 64x128, static whole kernel
+    67.0 -> 59.8; benchmarks/NOTES.md). The div.full.f32 left is the scalar 1 / sqrt(bias_correction2)."""
+    from forge_optim import precision
+
     cfg = SMALL_BT_CONFIGS[-2]
     per_thread = cfg.BM * cfg.BN // (cfg.num_warps * 32)
     ptx = compile_fused(cfg, fused.S_BF16, fused.S_BF16).asm["ptx"]
-    assert ptx.count(", 73244475;") == 2 * 2 * per_thread  # 0x045D9F3B, precision.HASH_MUL
+    assert ptx.count(f", {precision.HASH_MUL};") == 2 * per_thread
+    assert ptx.count(f", {precision.DRAW2_MUL};") == per_thread
     assert ptx.count("div.approx.ftz.f32") == per_thread
     assert ptx.count("div.full.f32") <= 4  # scalars only (one per epilogue slice at most)
 

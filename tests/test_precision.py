@@ -56,25 +56,43 @@ def test_to_bf16_brackets_and_keeps_specials():
     assert not torch.equal(y[3:], down[3:])  # stochastic, not nearest
 
 
-def test_random16_halves_are_two_uniform_disjoint_draws():
-    """The weight's store takes the hash's low 16 bits and slot 0's state the high 16 bits of the same
-    hash (the kernel computes one hash for both): each half is uniform, and they are uncorrelated."""
+def test_random16_draws_three_uniform_uncorrelated_values_from_one_hash():
+    """The weight's store takes the hash's low 16 bits, slot 0's state its high 16 bits and slot 1's the
+    high 16 bits of the hash times DRAW2_MUL (the kernel computes one hash for all three): each draw is
+    uniform, and no two are correlated."""
     offs = torch.arange(1 << 16)
-    lo, hi = precision.random16(offs, 12345), precision.random16(offs, 12345, high=True)
+    lo, hi, mixed = (precision.random16(offs, 12345, d)
+                     for d in (precision.DRAW_LOW, precision.DRAW_HIGH, precision.DRAW_MIXED))
     h = precision.hash32((offs + 12345) & precision.MASK32)
     assert torch.equal(lo, h & 0xFFFF) and torch.equal(hi, h >> 16)
-    for r in (lo, hi):  # uniform on [0, 2**16): mean and the 16 bucket counts of the top 4 bits
+    assert torch.equal(mixed, ((h * precision.DRAW2_MUL) & precision.MASK32) >> 16)
+    for r in (lo, hi, mixed):  # uniform on [0, 2**16): mean and the 16 bucket counts of the top 4 bits
         assert abs(r.double().mean().item() / 65535 - 0.5) < 0.01
         counts = torch.bincount(r >> 12, minlength=16).double()
         assert ((counts - 4096).abs() < 5 * 64).all()  # 5 sigma of a binomial(65536, 1/16)
-    corr = torch.corrcoef(torch.stack([lo.double(), hi.double()]))[0, 1].item()
-    assert abs(corr) < 0.02
-    assert (lo == hi).float().mean().item() < 0.001
+    corr = torch.corrcoef(torch.stack([lo.double(), hi.double(), mixed.double()]))
+    assert (corr - torch.eye(3, dtype=torch.float64)).abs().max().item() < 0.02
+    for a, b in ((lo, hi), (lo, mixed), (hi, mixed)):
+        assert (a == b).float().mean().item() < 0.001
 
 
-def test_first_state_rounds_with_the_high_half_of_the_weights_hash():
-    """torch backend: W and the slot-0 state (exp_avg) of one update are rounded with the two halves of
-    hash(offset + key_weight), the slot-1 state with its own key; the Triton kernel draws the same."""
+def test_mixed_draw_is_uniform_over_keys_for_each_element():
+    """What makes a store unbiased: for one element, over random per-step keys, its draw is uniform
+    (the hash of a uniform key is uniform; the multiply by an odd constant is a bijection mod 2**32).
+    Checked for the third draw on 8 elements over 2**14 keys."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**31 - 1, (1 << 14,), generator=g)
+    for off in range(8):
+        r = precision.random16(keys + off, 0, precision.DRAW_MIXED)  # hash(offset + key) for each key
+        assert abs(r.double().mean().item() / 65535 - 0.5) < 0.015
+        counts = torch.bincount(r >> 13, minlength=8).double()
+        assert ((counts - 2048).abs() < 5 * 42.3).all()  # 5 sigma of a binomial(16384, 1/8)
+
+
+def test_states_round_with_draws_of_the_weights_hash():
+    """torch backend: W and the slot-0 and slot-1 states (exp_avg, exp_avg_sq) of one update are rounded
+    with three draws of hash(offset + key_weight) (their own keys are not used); the Triton kernel draws
+    the same."""
     rows, cols = 8, 64
     w = torch.randn(rows, cols).bfloat16()
     m, v = (torch.randn(rows, cols) * 0.01).bfloat16(), (torch.rand(rows, cols) * 0.01).bfloat16()
@@ -88,8 +106,9 @@ def test_first_state_rounds_with_the_high_half_of_the_weights_hash():
     w_new, (m_new, v_new) = AdamWRule.update(w.float(), g, [m.float(), v.float()], job.coeffs)
     offs = torch.arange(rows * cols).view(rows, cols)
     assert torch.equal(job.weight, precision.to_bf16(w_new, True, 1111, offs))
-    assert torch.equal(job.states[0].data, precision.to_bf16(m_new, True, 1111, offs, high=True))
-    assert torch.equal(job.states[1].data, precision.to_bf16(v_new, True, 3333, offs))
+    assert torch.equal(job.states[0].data, precision.to_bf16(m_new, True, 1111, offs, precision.DRAW_HIGH))
+    assert torch.equal(job.states[1].data, precision.to_bf16(v_new, True, 1111, offs, precision.DRAW_MIXED))
+    assert not torch.equal(job.states[1].data, precision.to_bf16(v_new, True, 1111, offs, precision.DRAW_HIGH))
 
 
 @pytest.mark.parametrize("nonnegative", [False, True])

@@ -480,6 +480,15 @@ if INTERP:
         mean = ((bufs[0].float() - 1.0) / ulp).double().mean().item()
         assert abs(mean - steps / 4) < 0.3, mean  # per-element std ~2.7 ULP, mean of 4096: ~0.04
 
+    def test_bf16_second_moment_sr_draws_the_mixed_draw_and_is_unbiased():
+        """Slot 1 (exp_avg_sq) rounds with the third draw of the weight's hash: the kernel's bits equal the
+        torch backend's every step, and 3/4 of the stores of a value three quarters of a ULP up are
+        rounded up (64x64 x 40 steps: std of the fraction ~0.002)."""
+        from forge_optim.backends.triton_backend import TritonBackend
+
+        frac = _second_moment_sr_fraction([TritonBackend(), TorchBackend(block_rows=32)], 64, 64, 16, 40)
+        assert abs(frac[0] - 0.75) < 0.01, frac
+
     def test_nonfinite_counter_optional():
         dy, x = exact_inputs(BT0, M0, N0)
         dy = dy.clone()
@@ -832,6 +841,43 @@ if INTERP:
 
 
 # ======================================================================================= GPU
+def _second_moment_sr_fraction(backends, M, N, BT, steps, device="cpu"):
+    """AdamW with bf16 states, G = 0, lr = 0, beta2 = 1 - 2**-10 and exp_avg_sq reset to 1.0 before each
+    step: the exact new v is 1 - 2**-10, three quarters of a bf16 ULP (2**-8 below 1) above 1 - 2**-8, so
+    an unbiased stochastic rounding of slot 1 (the hash's mixed draw) stores 1.0 with probability 3/4
+    and 1 - 2**-8 otherwise. Runs each backend on its own copy with the same keys; returns, per backend,
+    the fraction of stores that were 1.0, and checks every step that the backends' bits agree, that no
+    other value was stored and that W kept its bits."""
+    rule = RULES["AdamW"]
+    group = dict(rule.defaults, lr=0.0, betas=(0.9, 1.0 - 2.0**-10), weight_decay=0.0)
+    specs = rule.state_specs(group)
+    dy = torch.zeros(BT, M, device=device, dtype=torch.bfloat16)
+    x = torch.ones(BT, N, device=device, dtype=torch.bfloat16)
+    w0 = torch.randn(M, N, device=device).bfloat16()
+    ws = [w0.clone() for _ in backends]
+    ms = [torch.zeros(M, N, device=device, dtype=torch.bfloat16) for _ in backends]
+    vs = [torch.ones(M, N, device=device, dtype=torch.bfloat16) for _ in backends]
+    ones = [0 for _ in backends]
+    low = torch.tensor(1.0 - 2.0**-8, dtype=torch.bfloat16, device=device)
+    for step in range(1, steps + 1):
+        for i, be in enumerate(backends):
+            vs[i].fill_(1.0)
+            job = UpdateJob(weight=ws[i], rule=rule, coeffs=rule.padded(rule.coefficients(group, {}, step)),
+                            states=[StateView(specs[0], ms[i]), StateView(specs[1], vs[i])],
+                            stochastic_weight=True, stochastic_state=True,
+                            key_weight=precision.stream_key(3, 0, step, precision.SITE_WEIGHT),
+                            key_states=(precision.stream_key(3, 0, step, precision.SITE_STATE0),
+                                        precision.stream_key(3, 0, step, precision.SITE_STATE0 + 1)))
+            be.update(job, dy, x)
+            assert bool(((vs[i] == 1.0) | (vs[i] == low)).all()), step
+            ones[i] += int((vs[i] == 1.0).sum())
+        for i in range(1, len(backends)):
+            assert torch.equal(vs[i], vs[0]), step
+    for w in ws:
+        assert torch.equal(w, w0)
+    return [n / (steps * M * N) for n in ones]
+
+
 GPU_SHAPES = [(4096, 4096), (14336, 4096), (128256, 4096)]
 GPU_BTS = [512, 4096]
 
@@ -1173,6 +1219,17 @@ def test_gpu_bf16_state_sr_quarter_ulp():
     assert abs(mean - steps / 4) < 0.02, mean
     assert change.std().item() > 1.0
     assert torch.equal(w, torch.ones_like(w))
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_second_moment_sr_unbiased():
+    """exp_avg_sq (slot 1: the mixed draw of the weight's hash) on the GPU at 4096x4096: 3/4 of the stores
+    of a value three quarters of a ULP up round up over 20 steps (335M stores: std of the fraction
+    2.4e-5), and the fused kernel's bits equal the torch backend's every step."""
+    frac = _second_moment_sr_fraction([_fixed_backend(), TorchBackend(block_rows=4096)], 4096, 4096, 512, 20,
+                                      device="cuda")
+    print(f"slot-1 SR: fraction rounded up {frac[0]:.6f} (expect 0.75)")
+    assert abs(frac[0] - 0.75) < 0.0003, frac
 
 
 @pytest.mark.gpu

@@ -20,10 +20,14 @@ SCALE_DTYPE = torch.bfloat16
 SIGNED_QMAX = 127.0  # signed states (m): int8 in [-127, 127]
 UNSIGNED_QMAX = 255.0  # non-negative states (v): uint8 in [0, 255], floored to >= 1 when v > 0
 
-# Stores that draw random bits, one key each. The state in slot 0 draws the high half of the weight's
-# hash instead of a hash of its own (``random16``): W and m never share bits, and the kernel computes
-# one hash for both stores.
+# Stores that draw random bits, one key each. The states in slots 0 and 1 draw from the weight's hash
+# instead of hashes of their own (``random16``): slot 0 its high half, slot 1 the high half of its
+# product with DRAW2_MUL. W and m never share bits; v's bits are a function of W's and m's (each draw
+# is uniform on its own, so each store stays unbiased), and the kernel computes one hash for all three
+# stores of an Adam-family update (NOTES.md, twenty-first session).
 SITE_WEIGHT, SITE_STATE0 = 0, 1
+DRAW_LOW, DRAW_HIGH, DRAW_MIXED = 0, 1, 2  # which 16 bits of the hash a store adds (``random16``)
+DRAW2_MUL = 0x5BD1E995  # odd (a bijection mod 2**32) and < 2**31 (int64 products)
 # A row-sparse step's gathered rows (Backend.update_from_row_sparse) re-key their site's key with this.
 SITE_GATHERED = 0x51
 
@@ -64,15 +68,21 @@ def stream_key(seed: int, param_index: int, step: int, site: int) -> int:
     return site_key(step_key(seed, param_index, step), site)
 
 
-def random16(offsets: torch.Tensor, key: int, high: bool = False) -> torch.Tensor:
-    """16 random bits per element from its linear offset in the parameter: the low half of the hash,
-    or with ``high`` its high half (a second, disjoint draw from the same hash)."""
+def random16(offsets: torch.Tensor, key: int, draw: int = DRAW_LOW) -> torch.Tensor:
+    """16 random bits per element from its linear offset in the parameter: the low half of the hash
+    (DRAW_LOW), its high half (DRAW_HIGH, a second, disjoint draw), or the high half of the hash times
+    DRAW2_MUL mod 2**32 (DRAW_MIXED, a third draw: uniform, since the hash of a uniformly random key is
+    uniform and the multiply is a bijection, but a function of the other two)."""
     h = hash32((offsets + key) & MASK32)
-    return h >> 16 if high else h & 0xFFFF
+    if draw == DRAW_HIGH:
+        return h >> 16
+    if draw == DRAW_MIXED:
+        return ((h * DRAW2_MUL) & MASK32) >> 16
+    return h & 0xFFFF
 
 
 def to_bf16(x: torch.Tensor, stochastic: bool, key: int = 0, offsets: torch.Tensor | None = None,
-            high: bool = False) -> torch.Tensor:
+            draw: int = DRAW_LOW) -> torch.Tensor:
     """fp32 -> bf16. Stochastic: round up with probability equal to the discarded fraction.
 
     Adding 16 random bits to the fp32 bit pattern and truncating is unbiased for finite values
@@ -82,15 +92,15 @@ def to_bf16(x: torch.Tensor, stochastic: bool, key: int = 0, offsets: torch.Tens
     if not stochastic:
         return x.to(torch.bfloat16)
     bits = x.view(torch.int32).to(torch.int64)
-    bits = (bits + random16(offsets, key, high)) & ~0xFFFF
+    bits = (bits + random16(offsets, key, draw)) & ~0xFFFF
     return bits.to(torch.int32).view(torch.float32).to(torch.bfloat16)
 
 
 def store_float(dst: torch.Tensor, value32: torch.Tensor, stochastic: bool, key: int, offsets,
-                high: bool = False) -> None:
+                draw: int = DRAW_LOW) -> None:
     """Write fp32 values into a float tensor of any supported dtype."""
     if dst.dtype == torch.bfloat16:
-        dst.copy_(to_bf16(value32, stochastic, key, offsets, high))
+        dst.copy_(to_bf16(value32, stochastic, key, offsets, draw))
     else:
         dst.copy_(value32)
 

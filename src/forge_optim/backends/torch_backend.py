@@ -52,8 +52,9 @@ def apply_update(job: UpdateJob, g32: torch.Tensor, r0: int = 0, r1: int | None 
             q, scale = precision.quantize(value, view.spec.nonnegative)
             view.data[r0:r1].copy_(q)
             view.scale[r0:r1].copy_(scale)
-        elif view.spec.slot == 0:  # the high half of the weight's hash (precision.SITE_STATE0)
-            precision.store_float(view.data[r0:r1], value, job.stochastic_state, job.key_weight, offs, high=True)
+        elif view.spec.slot in (0, 1):  # the weight's hash: its high half, or its mixed draw (precision)
+            draw = precision.DRAW_HIGH if view.spec.slot == 0 else precision.DRAW_MIXED
+            precision.store_float(view.data[r0:r1], value, job.stochastic_state, job.key_weight, offs, draw)
         else:
             precision.store_float(view.data[r0:r1], value, job.stochastic_state, key, offs)
 

@@ -22,7 +22,7 @@ one test of the tile's sum, and an exact count only when that sum is not finite
 
 The numerics follow ``backends.torch_backend.apply_update`` op for op, except that the rules divide
 with ``_triton.fast_div`` (div.approx, <= 2 ulp); the stochastic-rounding bits come from the same
-uint32 hash as ``precision.hash32`` (W and the slot-0 state: its low and high halves).
+uint32 hash as ``precision.hash32`` (W and the slot-0 and slot-1 states: three draws of one hash).
 
 Under ``TRITON_INTERPRET=1`` (constexpr ``INTERPRET``) every operand is upcast to fp32 before the
 dot and bf16 rounding is done by explicit bit arithmetic, because the interpreter's bf16 math is
@@ -70,22 +70,25 @@ def _hash32(off_u32, key):
 
 
 @jit
-def _random16(off_u32, key, HIGH: tl.constexpr):
-    """16 random bits per element (precision.random16): the hash's low half, or with HIGH its high
-    half. The weight's store takes the low half and the first state's the high half of one hash (the
-    compiler computes it once): three bf16 stores cost two hashes, not three."""
+def _random16(off_u32, key, DRAW: tl.constexpr):
+    """16 random bits per element (precision.random16): DRAW 0 the hash's low half, 1 its high half, 2
+    the high half of the hash times precision.DRAW2_MUL. The weight's store takes draw 0 and the states
+    in slots 0 and 1 draws 1 and 2 of one hash (the compiler computes it once): three bf16 stores cost
+    one hash and a multiply, not two hashes (NOTES.md, twenty-first session)."""
     h = _hash32(off_u32, key)
-    if HIGH:
+    if DRAW == 1:
         return h >> 16
+    elif DRAW == 2:
+        return (h * 0x5BD1E995) >> 16
     else:
         return h & 0xFFFF
 
 
 @jit
-def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr, HIGH: tl.constexpr):
+def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr, DRAW: tl.constexpr):
     """fp32 -> bf16, stochastic (add 16 hashed bits, truncate) or round-to-nearest-even."""
     if SR:
-        bits = x.to(tl.uint32, bitcast=True) + _random16(hoff, key, HIGH)
+        bits = x.to(tl.uint32, bitcast=True) + _random16(hoff, key, DRAW)
         if INTERPRET:
             return (bits & 0xFFFF0000).to(tl.float32, bitcast=True).to(tl.bfloat16)
         else:  # the high half is the bf16 (PRMT packs two of them: no mask, no convert)
@@ -145,12 +148,12 @@ def _raw_value(q, sc, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 
 @jit
 def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, key,
-                 KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr, HIGH: tl.constexpr,
+                 KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr, DRAW: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr):
     if KIND == 1:
         tl.store(s_ptr + lin, value, mask=mask)
     elif KIND == 2:
-        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET, HIGH), mask=mask)
+        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET, DRAW), mask=mask)
     elif KIND == 3 or KIND == 4:
         NB: tl.constexpr = BN // 64
         x = tl.reshape(tl.where(mask, value, 0.0), (BM, NB, 64))
@@ -253,7 +256,7 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
     if MODE == 1:
         if buf_ptr.dtype.element_ty == tl.bfloat16:  # a bf16 buffer (accumulate_dtype="bf16"): fp32 sum, to nearest
             total = b_raw.to(tl.float32) + acc
-            tl.store(buf_ptr + base + rel, _to_bf16(total, rel.to(tl.uint32), 0, False, INTERPRET, False), mask=mask)
+            tl.store(buf_ptr + base + rel, _to_bf16(total, rel.to(tl.uint32), 0, False, INTERPRET, 0), mask=mask)
         else:
             tl.store(buf_ptr + base + rel, b_raw + acc, mask=mask)
     else:
@@ -283,22 +286,22 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         if COUNT_NF:  # the gradient includes the buffer: counted here, slice by slice
             _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM, BN)
         if W_BF16:
-            tl.store(w_t + rel, _to_bf16(w_new, hoff, hkey_w, W_SR, INTERPRET, False), mask=mask)
+            tl.store(w_t + rel, _to_bf16(w_new, hoff, hkey_w, W_SR, INTERPRET, 0), mask=mask)
         else:
             tl.store(w_t + rel, w_new, mask=mask)
         if S0 != 0:
             s0_new = tl.where(finite, s0_new, s0_old)
-            # slot 0 draws the high half of the weight's hash (key_s0 is not used: _random16)
+            # slots 0 and 1 draw from the weight's hash (key_s0 and key_s1 are not used: _random16)
             _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hkey_w,
-                         S0, S_SR, INTERPRET, True, BM, BN)
+                         S0, S_SR, INTERPRET, 1, BM, BN)
         if S1 != 0:
             s1_new = tl.where(finite, s1_new, s1_old)
-            _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hbase + key_s1.to(tl.uint32),
-                         S1, S_SR, INTERPRET, False, BM, BN)
+            _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hkey_w,
+                         S1, S_SR, INTERPRET, 2, BM, BN)
         if S2 != 0:
             s2_new = tl.where(finite, s2_new, s2_old)
             _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hbase + key_s2.to(tl.uint32),
-                         S2, S_SR, INTERPRET, False, BM, BN)
+                         S2, S_SR, INTERPRET, 0, BM, BN)
 
 
 @jit

@@ -244,21 +244,21 @@ def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf,
     if HAS_NF:
         bad += gl.where(inb & (finite == 0), 1, 0)
     if W_BF16:
-        w_buf.store(fused._to_bf16(w_new, hoff, key_w, W_SR, False, False))
+        w_buf.store(fused._to_bf16(w_new, hoff, key_w, W_SR, False, 0))
     else:
         w_buf.store(w_new)
-    _store_state(s0_buf, gl.where(finite, s0_new, s0_old), hoff, key_w, S0, S_SR, True)  # fused._random16
-    _store_state(s1_buf, gl.where(finite, s1_new, s1_old), hoff, key_s1, S1, S_SR, False)
-    _store_state(s2_buf, gl.where(finite, s2_new, s2_old), hoff, key_s2, S2, S_SR, False)
+    _store_state(s0_buf, gl.where(finite, s0_new, s0_old), hoff, key_w, S0, S_SR, 1)  # fused._random16
+    _store_state(s1_buf, gl.where(finite, s1_new, s1_old), hoff, key_w, S1, S_SR, 2)
+    _store_state(s2_buf, gl.where(finite, s2_new, s2_old), hoff, key_s2, S2, S_SR, 0)
     return bad
 
 
 @gluon.jit
-def _store_state(buf, value, hoff, key, KIND: gl.constexpr, SR: gl.constexpr, HIGH: gl.constexpr):
+def _store_state(buf, value, hoff, key, KIND: gl.constexpr, SR: gl.constexpr, DRAW: gl.constexpr):
     if KIND == 1:
         buf.store(value)
     elif KIND == 2:
-        buf.store(fused._to_bf16(value, hoff, key, SR, False, HIGH))
+        buf.store(fused._to_bf16(value, hoff, key, SR, False, DRAW))
 
 
 @gluon.jit
