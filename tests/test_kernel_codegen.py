@@ -82,23 +82,6 @@ def test_adamw_bf16_epilogue_draws_one_hash_and_divides_approximately():
     assert ptx.count("div.full.f32") <= 4  # scalars only (one per epilogue slice at most)
 
 
-def test_bf16_loads_widen_two_elements_per_register_in_one_instruction_each():
-    """bf16 W and states widen to fp32 from the packed register a vector load leaves: the low element
-    shifted up, the high one masked (``fused._bf16_to_f32``), one instruction each, where cvt.f32.bf16
-    costs the high element a PRMT and an IMAD (static count 59.8 -> 58.2 per element at 64x128; NOTES.md,
-    twenty-first session). One mask per pair of W, m and v elements; none of the compiler's converts
-    left but the int8 states' bf16 scales'."""
-    import re
-
-    cfg = SMALL_BT_CONFIGS[-2]
-    per_thread = cfg.BM * cfg.BN // (cfg.num_warps * 32)
-    masks = lambda ptx: len(re.findall(r"and\.b32 %r\d+, %r\d+, -65536;", ptx))  # noqa: E731
-    bf16 = compile_fused(cfg, fused.S_BF16, fused.S_BF16).asm["ptx"]
-    assert masks(bf16) == 3 * per_thread // 2 and "cvt.f32.bf16" not in bf16
-    int8 = compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"]
-    assert masks(int8) == per_thread // 2  # W only
-
-
 def test_int8_codes_round_and_convert_in_one_instruction():
     """int8/uint8 state codes: one cvt.rni.s32.f32 per element and state (round half to even and
     convert), then an integer clamp; no separate rint (cvt.rni.f32.f32) and float clamp (NOTES.md,

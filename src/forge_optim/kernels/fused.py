@@ -117,19 +117,6 @@ def _round_to_int(x, INTERPRET: tl.constexpr):
 
 
 @jit
-def _bf16_to_f32(x, INTERPRET: tl.constexpr):
-    """bf16 -> fp32 (exact). On the GPU two elements per 32-bit register: the low one shifted up, the
-    high one masked (one instruction each), where the compiler's cvt.f32.bf16 moves the high one down
-    and back up (PRMT + IMAD: 1.5 instructions per element instead of 1; NOTES.md, twenty-first
-    session). Other dtypes (fp32) are converted as usual."""
-    if INTERPRET or x.dtype != tl.bfloat16:
-        return x.to(tl.float32)
-    else:
-        return tl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, -65536;", "=r,=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=2)
-
-
-@jit
 def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
               KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One state of a [BM, BN] block as stored: values (fp32/bf16) or codes plus their [BM, BN/64]
@@ -147,14 +134,12 @@ def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
 
 
 @jit
-def _raw_value(q, sc, KIND: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _raw_value(q, sc, KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """fp32 value of a state loaded by ``_load_raw``."""
     if KIND == 0:
         return q
-    elif KIND == 1:
-        return q
-    elif KIND == 2:
-        return _bf16_to_f32(q, INTERPRET)
+    elif KIND == 1 or KIND == 2:
+        return q.to(tl.float32)
     else:
         NB: tl.constexpr = BN // 64
         v = tl.reshape(q.to(tl.float32), (BM, NB, 64)) * sc.to(tl.float32)[:, :, None]
@@ -290,10 +275,10 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         s0_t = s0_ptr + base
         s1_t = s1_ptr + base
         s2_t = s2_ptr + base
-        w_old = _bf16_to_f32(w_raw, INTERPRET)
-        s0_old = _raw_value(q0, z0, S0, INTERPRET, BM, BN)
-        s1_old = _raw_value(q1, z1, S1, INTERPRET, BM, BN)
-        s2_old = _raw_value(q2, z2, S2, INTERPRET, BM, BN)
+        w_old = w_raw.to(tl.float32)
+        s0_old = _raw_value(q0, z0, S0, BM, BN)
+        s1_old = _raw_value(q1, z1, S1, BM, BN)
+        s2_old = _raw_value(q2, z2, S2, BM, BN)
         w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old,
                                                c0, c1, c2, c3, c4, c5, c6, c7)
         finite = tl.abs(g) < float("inf")  # False for NaN and +-Inf
