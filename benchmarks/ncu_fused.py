@@ -2,11 +2,12 @@
 
     bash benchmarks/ncu_h200.sh OUTDIR      (runs this under ncu and writes the reports)
 
-Cases (bf16 W; AdamW; one forced config each, no tuning): the tuned BT=512 winner (64x64, 4
-programs/SM) on 4096x4096 with bf16 and int8 states and on 14336x4096; the 64x128 3-programs config
+Cases (bf16 W; AdamW; one forced config each, no tuning; ``python3 benchmarks/ncu_fused.py a,b`` runs
+only the named ones): the H200's old BT=512 winner (64x64, 4 programs/SM) on 4096x4096 with bf16 and int8 states and on 14336x4096; the 64x128 3-programs config
 on 4096x4096 (wider tiles were 1.2-2x slower per element: why?); the BT=8192 config; the fp32
 accumulate mode (mainloop + an 8 B/element read-modify-write, no rule); and torch's wgrad GEMM and
-``_fused_adamw_`` on the 4096x4096 operands, the baseline (c). Every launch is preceded by a
+``_fused_adamw_`` on the 4096x4096 operands, the baseline (c); the H100's BT=512 winner (128x256, 16 warps)
+at BT=64 (the update alone) and 512 with bf16 and int8 states. Every launch is preceded by a
 warm-up outside the profiled range (compilation, TMA allocator). The order of the profiled launches
 is printed, so that the report's kernel IDs can be mapped to cases.
 """
@@ -30,9 +31,11 @@ from forge_optim.rules import RULES  # noqa: E402
 # NCU_LOOKAHEAD=n: profile the configs with KernelConfig.epi_lookahead = n
 _LA = int(os.environ.get("NCU_LOOKAHEAD", "0"))
 _la = (lambda c: dataclasses.replace(c, epi_lookahead=_LA)) if _LA else (lambda c: c)
-SMALL = _la(L.SMALL_BT_CONFIGS[10])  # 64x64x64 w4 s3 p4 e4 r128 pf: the tuned BT=512 winner
-WIDE = _la(L.SMALL_BT_CONFIGS[7])  # 64x128 w4 s3 p3 e8 r168 pf
-LARGE = _la(L.LARGE_BT_CONFIGS[4])  # 128x256 w16 s4 e8: the BT=8192 winner at 4096x4096
+_KNOWN = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
+SMALL = _la(_KNOWN["64x64x64 w4 s3 g8 p4 e4 tma r128 pf la1"])  # 64x64, 4 programs/SM
+WIDE = _la(_KNOWN["64x128x64 w4 s3 g8 p3 e8 tma r168"])  # 64x128, 3 programs/SM
+BIG = _KNOWN["128x256x64 w16 s3 g8 p1 e8 tma la1"]  # the H100's BT=512 winner at 4096x4096 (2026-12-06)
+LARGE = _la(_KNOWN["128x256x64 w16 s4 g8 p1 e8 tma la1"])  # the BT=8192 winner
 
 CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no states)
     ("small-bf16-4096", 4096, 4096, 512, "bf16", SMALL),
@@ -41,6 +44,14 @@ CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no state
     ("wide-bf16-4096", 4096, 4096, 512, "bf16", WIDE),
     ("large-bf16-4096-bt8192", 4096, 4096, 8192, "bf16", LARGE),
     ("small-accumulate-4096", 4096, 4096, 512, "accumulate", SMALL),
+    # the update alone (BT=64: the GEMM is ~4% of it) and BT=512, bf16 against int8 states, on the
+    # H100's BT=512 winners (twenty-second session: why int8 moves 2/3 of the bytes in the same time)
+    ("big-bf16-4096-bt64", 4096, 4096, 64, "bf16", BIG),
+    ("big-int8-4096-bt64", 4096, 4096, 64, "int8", BIG),
+    ("big-bf16-4096", 4096, 4096, 512, "bf16", BIG),
+    ("big-int8-4096", 4096, 4096, 512, "int8", BIG),
+    ("small-bf16-4096-bt64", 4096, 4096, 64, "bf16", SMALL),
+    ("small-int8-4096-bt64", 4096, 4096, 64, "int8", SMALL),
 ]
 
 
@@ -72,11 +83,11 @@ def main():
         fn()  # compile + warm
         torch.cuda.synchronize()
         prepared.append((f"{name} [{cfg.short()}]", fn))
-        if name == "small-bf16-4096":  # the unfused baseline (c) on the same operands: two kernels
+        if name in ("small-bf16-4096", "big-bf16-4096-bt64"):  # the unfused baseline (c) on the same operands: two kernels
             Wb = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
             unfused = unfused_step(Wb, torch.zeros_like(Wb), torch.zeros_like(Wb), lambda dy=dy, x=x: (dy, x))
             unfused()
-            prepared.append(("torch wgrad GEMM, then _fused_adamw_, 4096x4096 BT=512 bf16", unfused))
+            prepared.append((f"torch wgrad GEMM, then _fused_adamw_, {M}x{N} BT={BT} bf16", unfused))
         torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for i, (name, fn) in enumerate(prepared):
