@@ -15,7 +15,7 @@ ncu --clock-control none --profile-from-start off --target-processes all \
   --kernel-name regex:'forge_fused_kernel|nvjet|gemm|multi_tensor' \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
   --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-  --section ComputeWorkloadAnalysis --section SourceCounters \
+  --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
   --import-source no -f -o "$OUTD/ncu" python3 benchmarks/ncu_fused.py $CASES 2>&1 | grep -v "^==PROF== Profiling"
 ncu -i "$OUTD/ncu.ncu-rep" --page details > "$OUTD/details.txt" 2>&1
 ncu -i "$OUTD/ncu.ncu-rep" --page raw --csv --metrics \
