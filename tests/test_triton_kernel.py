@@ -227,6 +227,29 @@ def prepared_vs_full(monkeypatch, state_dtype, device):
 
 
 # ======================================================================================= CPU
+@pytest.mark.parametrize("case", list(RULE_CASES))
+def test_rule_maps_zero_inputs_to_zero_states(case):
+    """The int8 epilogue takes a block's absmax over all 64 columns of a tile's edge block, the padded
+    ones included, without masking them (fused._store_state): out of range it loads W, the gradient
+    and the states as zeros, and relies on every rule mapping (w=0, g=0, zero states) to zero states.
+    A rule that breaks this (a state with an additive constant) would inflate the edge blocks' scales;
+    test_rule_state_mode's 70x130 shapes would catch it against the torch backend."""
+    rule_name, over, step = RULE_CASES[case]
+    rule = RULES[rule_name]
+    group = dict(rule.defaults)
+    group.update(over)
+    state = {k: torch.tensor(v) for k, v in rule.scalar_states.items()}
+    for s in range(1, step):
+        rule.coefficients(group, state, s)
+    c = rule.padded(rule.coefficients(group, state, step))
+    z = torch.zeros(4, 64)
+    specs = rule.state_specs(group)
+    _, new = rule.update(z.clone(), z.clone(), [z.clone() for _ in specs], c)
+    assert len(new) == len(specs) > 0 or not specs
+    for spec, t in zip(specs, new):
+        assert torch.equal(t, z), f"{case}: state {spec.name} is not 0 after a zero update"
+
+
 if not INTERP:
 
     def test_interpreter_suite():
