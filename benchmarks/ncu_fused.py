@@ -3,13 +3,14 @@
     bash benchmarks/ncu_h200.sh OUTDIR      (runs this under ncu and writes the reports)
 
 Cases (bf16 W; AdamW; one forced config each, no tuning; ``python3 benchmarks/ncu_fused.py a,b`` runs
-only the named ones): the H200's old BT=512 winner (64x64, 4 programs/SM) on 4096x4096 with bf16 and int8 states and on 14336x4096; the 64x128 3-programs config
-on 4096x4096 (wider tiles were 1.2-2x slower per element: why?); the BT=8192 config; the fp32
-accumulate mode (mainloop + an 8 B/element read-modify-write, no rule); and torch's wgrad GEMM and
-``_fused_adamw_`` on the 4096x4096 operands, the baseline (c); the H100's BT=512 winner (128x256, 16 warps)
-at BT=64 (the update alone) and 512 with bf16 and int8 states. Every launch is preceded by a
-warm-up outside the profiled range (compilation, TMA allocator). The order of the profiled launches
-is printed, so that the report's kernel IDs can be mapped to cases.
+only the named ones): the H200's old BT=512 winner (64x64, 4 programs/SM) on 4096x4096 with bf16 and
+int8 states and on 14336x4096; the 64x128 3-programs config on 4096x4096 (wider tiles were 1.2-2x
+slower per element: why?); the BT=8192 config; the fp32 accumulate mode (mainloop + an 8 B/element
+read-modify-write, no rule); torch's wgrad GEMM and ``_fused_adamw_`` on the 4096x4096 operands, the
+baseline (c); and the H100's BT=512 winner (128x256, 16 warps) at BT=64 (the update alone) and 512
+with bf16 and int8 states. Every launch is preceded by a warm-up outside the profiled range
+(compilation, TMA allocator). The order of the profiled launches is printed, so that the report's
+kernel IDs can be mapped to cases.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ def main():
         fn()  # compile + warm
         torch.cuda.synchronize()
         prepared.append((f"{name} [{cfg.short()}]", fn))
-        if name in ("small-bf16-4096", "big-bf16-4096-bt64"):  # the unfused baseline (c) on the same operands: two kernels
+        if name in ("small-bf16-4096", "big-bf16-4096-bt64"):  # the unfused baseline (c), same operands
             Wb = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
             unfused = unfused_step(Wb, torch.zeros_like(Wb), torch.zeros_like(Wb), lambda dy=dy, x=x: (dy, x))
             unfused()

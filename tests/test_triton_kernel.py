@@ -51,11 +51,22 @@ RULE_CASES = {
 STATE_MODES = ("fp32", "bf16-sr", "bf16-rne", "int8")
 
 
-def make_job(case: str, mode: str, M: int, N: int, device="cpu", seed=0, nonfinite=True) -> UpdateJob:
+def rule_case(case: str):
+    """(rule, param group, padded coefficients) of a RULE_CASES entry at its step, with scalar states
+    (NAdam's mu_product) advanced through the earlier steps as an optimizer would."""
     rule_name, over, step = RULE_CASES[case]
     rule = RULES[rule_name]
     group = dict(rule.defaults)
     group.update(over)
+    state = {k: torch.tensor(v) for k, v in rule.scalar_states.items()}
+    for s in range(1, step):
+        rule.coefficients(group, state, s)
+    return rule, group, rule.padded(rule.coefficients(group, state, step))
+
+
+def make_job(case: str, mode: str, M: int, N: int, device="cpu", seed=0, nonfinite=True) -> UpdateJob:
+    rule, group, coeffs = rule_case(case)
+    step = RULE_CASES[case][2]
     gen = torch.Generator(device=device).manual_seed(seed)
     wdtype = torch.float32 if mode == "fp32" else torch.bfloat16
     w = torch.randn(M, N, generator=gen, device=device).to(wdtype)
@@ -71,10 +82,6 @@ def make_job(case: str, mode: str, M: int, N: int, device="cpu", seed=0, nonfini
             views.append(StateView(spec, v32.bfloat16()))
         else:
             views.append(StateView(spec, v32))
-    state = {k: torch.tensor(v) for k, v in rule.scalar_states.items()}
-    for s in range(1, step):  # advance scalar states (NAdam's mu_product) as an optimizer would
-        rule.coefficients(group, state, s)
-    coeffs = rule.padded(rule.coefficients(group, state, step))
     sr = mode in ("bf16-sr", "int8")
     return UpdateJob(weight=w, rule=rule, coeffs=coeffs, states=views, grad_sign=1.0,
                      stochastic_weight=sr, stochastic_state=sr,
@@ -234,18 +241,11 @@ def test_rule_maps_zero_inputs_to_zero_states(case):
     and the states as zeros, and relies on every rule mapping (w=0, g=0, zero states) to zero states.
     A rule that breaks this (a state with an additive constant) would inflate the edge blocks' scales;
     test_rule_state_mode's 70x130 shapes would catch it against the torch backend."""
-    rule_name, over, step = RULE_CASES[case]
-    rule = RULES[rule_name]
-    group = dict(rule.defaults)
-    group.update(over)
-    state = {k: torch.tensor(v) for k, v in rule.scalar_states.items()}
-    for s in range(1, step):
-        rule.coefficients(group, state, s)
-    c = rule.padded(rule.coefficients(group, state, step))
+    rule, group, c = rule_case(case)
     z = torch.zeros(4, 64)
     specs = rule.state_specs(group)
     _, new = rule.update(z.clone(), z.clone(), [z.clone() for _ in specs], c)
-    assert len(new) == len(specs) > 0 or not specs
+    assert len(new) == len(specs)
     for spec, t in zip(specs, new):
         assert torch.equal(t, z), f"{case}: state {spec.name} is not 0 after a zero update"
 

@@ -105,15 +105,27 @@ def _to_bf16(x, hoff, key, SR: tl.constexpr, INTERPRET: tl.constexpr, DRAW: tl.c
 
 
 @jit
-def _round_to_int(x, INTERPRET: tl.constexpr):
-    """Round half to even (torch.round) and convert to int32, for |x| < 2**22: on the GPU one
-    cvt.rni.s32.f32 (F2I.RNI), which replaced a rint, a float clamp and a convert (NOTES.md, eighth
-    session); the interpreter has no inline assembly and rounds with the 1.5 * 2**23 trick."""
+def _round_to_code(y, x, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """int8 (KIND 3) or uint8 (KIND 4) codes of y = x / scale as int32, as precision.quantize computes
+    them: round half to even, clamp to [-127, 127] or [0, 255], and a positive x floored to code 1.
+    On the GPU one saturating cvt.rni to the code's type (F2I.S8, F2IP.U8: round, convert and clamp;
+    an infinite y saturates to the bound the clamp gives, NaN converts to 0), then only the bounds it
+    does not give (NOTES.md, eighth and twenty-second sessions). The interpreter has no inline
+    assembly: it rounds with the 1.5 * 2**23 trick (|y| < 2**22) and clamps."""
     if INTERPRET:
-        return ((x + 12582912.0) - 12582912.0).to(tl.int32)
+        qi = ((y + 12582912.0) - 12582912.0).to(tl.int32)
+        if KIND == 4:
+            return tl.where(x > 0, tl.minimum(tl.maximum(qi, 1), 255), 0)
+        else:
+            return tl.minimum(tl.maximum(qi, -127), 127)
+    elif KIND == 4:
+        qi = tl.inline_asm_elementwise("cvt.rni.sat.u8.f32 $0, $1;", "=r,f", [y], dtype=tl.int32,
+                                       is_pure=True, pack=1)
+        return tl.where(x > 0, tl.maximum(qi, 1), qi)
     else:
-        return tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [x], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        qi = tl.inline_asm_elementwise("cvt.rni.sat.s8.f32 $0, $1;", "=r,f", [y], dtype=tl.int32,
+                                       is_pure=True, pack=1)
+        return tl.maximum(qi, -127)
 
 
 @jit
@@ -164,8 +176,9 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
     elif KIND == 3 or KIND == 4:
         NB: tl.constexpr = BN // 64
         # no where(mask, value, 0) before the absmax: out of range, W, the gradient and the states were
-        # loaded as 0, and every rule maps (0, 0, zero states) to zero states (tests/test_rules.py), so
-        # those entries are 0 already (a select per element and state, and the mask's bits kept live)
+        # loaded as 0, and every rule maps (0, 0, zero states) to zero states
+        # (test_triton_kernel.py::test_rule_maps_zero_inputs_to_zero_states), so those entries are 0
+        # already (saves a select per element and state, and keeping the mask's bits live)
         x = tl.reshape(value, (BM, NB, 64))
         absmax = tl.max(tl.abs(x), axis=2)
         if KIND == 4:
@@ -177,26 +190,11 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
         scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
         scale = ((scale.to(tl.uint32, bitcast=True) + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
         inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-        if INTERPRET:
-            qi = _round_to_int(x * inv[:, :, None], INTERPRET)
-            if KIND == 4:
-                qi = tl.where(x > 0, tl.minimum(tl.maximum(qi, 1), 255), 0)
-                qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
-            else:
-                qi = tl.minimum(tl.maximum(qi, -127), 127)
-                qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
+        qi = _round_to_code(x * inv[:, :, None], x, KIND, INTERPRET)
+        if KIND == 4:
+            qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
         else:
-            y = x * inv[:, :, None]
-            if KIND == 4:
-                qi = tl.inline_asm_elementwise("cvt.rni.sat.u8.f32 $0, $1;", "=r,f", [y], dtype=tl.int32,
-                                               is_pure=True, pack=1)
-                qi = tl.where(x > 0, tl.maximum(qi, 1), qi)
-                qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
-            else:
-                qi = tl.inline_asm_elementwise("cvt.rni.sat.s8.f32 $0, $1;", "=r,f", [y], dtype=tl.int32,
-                                               is_pure=True, pack=1)
-                qi = tl.maximum(qi, -127)
-                qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
+            qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
         tl.store(s_ptr + lin, qs, mask=mask)
         if INTERPRET:
             smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
