@@ -129,56 +129,6 @@ def _round_to_code(y, x, KIND: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @jit
-def _block_scale_div(absmax, KIND: tl.constexpr):
-    """precision._block_scale: scale = absmax / qmax rounded up to bf16 (kept in fp32), and its correctly
-    rounded reciprocal (0 where scale is 0, non-finite or NaN), by two correctly rounded divisions. The
-    interpreter's form, and the reference ``_block_scale`` is tested against bit for bit."""
-    qmax = 255.0 if KIND == 4 else 127.0
-    scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
-    scale = ((scale.to(tl.uint32, bitcast=True) + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
-    inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
-    return scale, inv
-
-
-def _block_scale_asm(c: str, neg_qmax: str) -> str:
-    """PTX of ``_block_scale`` for RN(1/qmax) = c and -qmax (hex immediates)."""
-    return (
-        "{ .reg .f32 q, r, s, k, sk, y, e; .reg .pred big, sub, ok; .reg .b32 b;\n\t"
-        # q = RN(x / qmax): x * RN(1/qmax), then one correction by the exact residual
-        f"mul.rn.f32 q, $2, {c}; fma.rn.f32 r, q, {neg_qmax}, $2; fma.rn.f32 q, r, {c}, q;\n\t"
-        "setp.eq.f32 big, $2, 0f7F800000; selp.f32 q, $2, q, big;\n\t"  # inf / qmax = inf (r is NaN)
-        "mov.b32 b, q; add.u32 b, b, 65535; and.b32 b, b, 0xFFFF0000; mov.b32 s, b; mov.b32 $0, b;\n\t"
-        # 1/s: s is a bf16 value; a subnormal s is scaled by 2**24 so that rcp and the Newton step see a
-        # normal number; the product by 2**24 after them is exact (or overflows exactly as 1/s does)
-        "setp.lt.f32 sub, s, 0f00800000; selp.f32 k, 0f4B800000, 0f3F800000, sub; mul.rn.f32 sk, s, k;\n\t"
-        "rcp.approx.ftz.f32 y, sk; neg.f32 e, sk; fma.rn.f32 e, e, y, 0f3F800000; fma.rn.f32 y, y, e, y;\n\t"
-        "mul.rn.f32 y, y, k;\n\t"
-        "setp.gt.f32 ok, s, 0f00000000; setp.lt.and.f32 ok, s, 0f7F800000, ok; selp.f32 $1, y, 0f00000000, ok; }")
-
-
-if tl is not None:
-    _SCALE_ASM_INT8 = tl.constexpr(_block_scale_asm("0f3C010204", "0fC2FE0000"))  # 1/127, -127
-    _SCALE_ASM_UINT8 = tl.constexpr(_block_scale_asm("0f3B808081", "0fC37F0000"))  # 1/255, -255
-
-
-@jit
-def _block_scale(absmax, KIND: tl.constexpr):
-    """``_block_scale_div``'s bits without its two correctly rounded divisions (each a reciprocal, four
-    FMAs, a range check and a slow-path call per block and lane): the quotient by qmax as a product by
-    RN(1/qmax) corrected once by its residual (Markstein), and the reciprocal of the bf16 scale as
-    rcp.approx plus one Newton step. Both are exact, proved by exhaustive checks:
-    tests/test_block_scale.py (every non-negative fp32 absmax against the division on the GPU; the
-    Newton step from any start within 2 ulp for every bf16 scale, and the quotient over whole binades,
-    on the CPU). NOTES.md, twenty-third session."""
-    if KIND == 4:
-        return tl.inline_asm_elementwise(_SCALE_ASM_UINT8, "=f,=f,f", [absmax],
-                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-    else:
-        return tl.inline_asm_elementwise(_SCALE_ASM_INT8, "=f,=f,f", [absmax],
-                                         dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-
-
-@jit
 def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
               KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One state of a [BM, BN] block as stored: values (fp32/bf16) or codes plus their [BM, BN/64]
@@ -231,10 +181,15 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
         # already (saves a select per element and state, and keeping the mask's bits live)
         x = tl.reshape(value, (BM, NB, 64))
         absmax = tl.max(tl.abs(x), axis=2)
-        if INTERPRET:
-            scale, inv = _block_scale_div(absmax, KIND)
+        if KIND == 4:
+            qmax = 255.0
         else:
-            scale, inv = _block_scale(absmax, KIND)
+            qmax = 127.0
+        # precision._block_scale: absmax/qmax rounded up to bf16 (kept in fp32 here), and the codes
+        # against that stored scale
+        scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
+        scale = ((scale.to(tl.uint32, bitcast=True) + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
         qi = _round_to_code(x * inv[:, :, None], x, KIND, INTERPRET)
         if KIND == 4:
             qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
