@@ -919,6 +919,19 @@ def test_explore_configs_only_on_request(monkeypatch):
     assert all(c.BN % 64 == 0 for c in EXPLORE_SMALL_BT_CONFIGS)
 
 
+def test_config_env_round_trips_every_field():
+    """FORGE_TRITON_CONFIG (KernelConfig.env, parsed by launch._parse_cfg) carries every field, booleans
+    included, and the short name marks the evict-first policy."""
+    from dataclasses import fields
+
+    from forge_optim.kernels.launch import KernelConfig, _parse_cfg
+
+    cfg = KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, evict_first=True)
+    assert KernelConfig(**_parse_cfg(cfg.env())) == cfg
+    assert {f.name for f in fields(KernelConfig)} == set(_parse_cfg(cfg.env()))
+    assert cfg.short().endswith(" ev") and " ev" not in KernelConfig().short()
+
+
 def test_split_rows_chunks_of_about_split_mb():
     """Chunks of the split schedule: about split_mb MiB of fp32 gradient, a multiple of 64 rows, at
     least 64, at most the weight; a negative size is refused by name."""
@@ -1129,6 +1142,34 @@ def test_gpu_prefetch_changes_no_bit(mode):
             assert torch.equal(va.data, vb.data), cfg.short()
             if va.quantized:
                 assert torch.equal(va.scale, vb.scale), cfg.short()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
+def test_gpu_evict_first_changes_no_bit(mode):
+    """An L2 eviction policy is only a hint: every evict-first config (the exploratory candidates) writes
+    exactly the bits of its twin without it, non-finite count included (odd shape: masked edges)."""
+    from dataclasses import replace
+
+    from forge_optim.backends.triton_backend import TritonBackend
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS
+
+    M, N, BT = 1000, 3008, 515
+    dy, x = _gpu_inputs(BT, M, N, seed=6)
+    dy[3, 5] = float("inf")
+    twins = [c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS if c.evict_first]
+    assert twins
+    for cfg in twins:
+        a = make_job("AdamW", mode, M, N, device="cuda", seed=7)
+        b = copy.deepcopy(a)
+        TritonBackend(config=cfg).update(a, dy, x)
+        TritonBackend(config=replace(cfg, evict_first=False)).update(b, dy, x)
+        assert torch.equal(a.weight, b.weight), cfg.short()
+        for va, vb in zip(a.states, b.states):
+            assert torch.equal(va.data, vb.data), cfg.short()
+            if va.quantized:
+                assert torch.equal(va.scale, vb.scale), cfg.short()
+        assert int(a.nonfinite) == int(b.nonfinite) == N, cfg.short()
 
 
 @pytest.mark.gpu

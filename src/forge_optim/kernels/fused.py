@@ -16,7 +16,10 @@ With ``PREFETCH`` (GPU only) each tile's W, states and buffer are requested into
 mainloop (``_prefetch_l2``), so the epilogue's loads hit L2 (kernel v4 in benchmarks/NOTES.md).
 The epilogue runs on row slices (``_epilogue_tile``): ``_epi_load`` issues a slice's loads,
 ``_epi_apply`` updates and stores it, and with ``EPI_LOOKAHEAD`` the next slice's loads are issued
-before this slice's stores. Where the gradient is the accumulator itself, the non-finite count is
+before this slice's stores. With ``EPI_EVICT = "evict_first"`` the W and state loads and stores
+carry an L2 evict-first policy (the state streams through L2 once per step while the mainloop re-reads
+dY and X tiles from it), a hint that changes no bit (NOTES.md, twenty-third session). Where the
+gradient is the accumulator itself, the non-finite count is
 one test of the tile's sum, and an exact count only when that sum is not finite
 (``_count_nonfinite_tile``; NOTES.md, seventh and eighth sessions).
 
@@ -130,16 +133,16 @@ def _round_to_code(y, x, KIND: tl.constexpr, INTERPRET: tl.constexpr):
 
 @jit
 def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
-              KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+              KIND: tl.constexpr, EVICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One state of a [BM, BN] block as stored: values (fp32/bf16) or codes plus their [BM, BN/64]
     scales, not yet converted, so that a slice's loads can be issued early (``_epilogue_tile``) at
     the cost of its packed registers only."""
     if KIND == 0:
         return tl.zeros((BM, BN), dtype=tl.float32), tl.zeros((BM, BN // 64), dtype=tl.float32)
     elif KIND == 1 or KIND == 2:
-        return tl.load(s_ptr + lin, mask=mask, other=0.0), tl.zeros((BM, BN // 64), dtype=tl.float32)
+        return tl.load(s_ptr + lin, mask=mask, other=0.0, eviction_policy=EVICT), tl.zeros((BM, BN // 64), dtype=tl.float32)
     else:
-        q = tl.load(s_ptr + lin, mask=mask, other=0)
+        q = tl.load(s_ptr + lin, mask=mask, other=0, eviction_policy=EVICT)
         smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
         sc = tl.load(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], mask=smask, other=0.0)
         return q, sc
@@ -168,11 +171,11 @@ def _raw_value(q, sc, KIND: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.conste
 @jit
 def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, key,
                  KIND: tl.constexpr, SR: tl.constexpr, INTERPRET: tl.constexpr, DRAW: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr):
+                 EVICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     if KIND == 1:
-        tl.store(s_ptr + lin, value, mask=mask)
+        tl.store(s_ptr + lin, value, mask=mask, eviction_policy=EVICT)
     elif KIND == 2:
-        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET, DRAW), mask=mask)
+        tl.store(s_ptr + lin, _to_bf16(value, hoff, key, SR, INTERPRET, DRAW), mask=mask, eviction_policy=EVICT)
     elif KIND == 3 or KIND == 4:
         NB: tl.constexpr = BN // 64
         # no where(mask, value, 0) before the absmax: out of range, W, the gradient and the states were
@@ -195,7 +198,7 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
             qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)
         else:
             qs = tl.reshape(qi, (BM, BN)).to(tl.int8)
-        tl.store(s_ptr + lin, qs, mask=mask)
+        tl.store(s_ptr + lin, qs, mask=mask, eviction_policy=EVICT)
         if INTERPRET:
             smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)
             tl.store(sc_ptr + offs_m[:, None].to(tl.int64) * NSB + sb_idx[None, :], scale.to(tl.bfloat16),
@@ -237,7 +240,7 @@ def _store_scales(sc_ptr, scale, offs_m, blk0, M, NSB, BM: tl.constexpr, BN: tl.
 
 @jit
 def _epi_load(row0, col0, P, M, N, NSB, MODE: tl.constexpr, HAS_BUF: tl.constexpr, S0: tl.constexpr,
-              S1: tl.constexpr, S2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+              S1: tl.constexpr, S2: tl.constexpr, EVICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Issue the loads of the [BM, BN] block at (row0, col0): W, the states as stored (``_load_raw``) and
     the gradient buffer. Returns (w, q0, z0, q1, z1, q2, z2, b); z* are the int8 scales.
     P: the kernel's pointers, (w, s0, s1, s2, sc0, sc1, sc2, buf, nf)."""
@@ -255,10 +258,10 @@ def _epi_load(row0, col0, P, M, N, NSB, MODE: tl.constexpr, HAS_BUF: tl.constexp
     if MODE == 1:
         w = tl.zeros((BM, BN), dtype=tl.float32)
     else:
-        w = tl.load(w_ptr + base + rel, mask=mask, other=0.0)
-    q0, z0 = _load_raw(s0_ptr + base, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, BM, BN)
-    q1, z1 = _load_raw(s1_ptr + base, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, BM, BN)
-    q2, z2 = _load_raw(s2_ptr + base, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, BM, BN)
+        w = tl.load(w_ptr + base + rel, mask=mask, other=0.0, eviction_policy=EVICT)
+    q0, z0 = _load_raw(s0_ptr + base, sc0_ptr, rel, mask, offs_m, sb_idx, M, NSB, S0, EVICT, BM, BN)
+    q1, z1 = _load_raw(s1_ptr + base, sc1_ptr, rel, mask, offs_m, sb_idx, M, NSB, S1, EVICT, BM, BN)
+    q2, z2 = _load_raw(s2_ptr + base, sc2_ptr, rel, mask, offs_m, sb_idx, M, NSB, S2, EVICT, BM, BN)
     return w, q0, z0, q1, z1, q2, z2, b
 
 
@@ -266,7 +269,7 @@ def _epi_load(row0, col0, P, M, N, NSB, MODE: tl.constexpr, HAS_BUF: tl.constexp
 def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
                MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr, W_BF16: tl.constexpr,
                W_SR: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
-               INTERPRET: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+               INTERPRET: tl.constexpr, EVICT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """Update the [BM, BN] block at (row0, col0) of W and its states from the fp32 gradient acc and the
     values ``_epi_load`` returned for the block (LD); store W and the states. C: the rule's eight
     coefficients and grad_sign; K: the weight's and the three states' hash keys.
@@ -315,22 +318,22 @@ def _epi_apply(acc, row0, col0, LD, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         if COUNT_NF:  # the gradient includes the buffer: counted here, slice by slice
             _count_nonfinite(g, row0, col0, M, N, nf_ptr, BM, BN)
         if W_BF16:
-            tl.store(w_t + rel, _to_bf16(w_new, hoff, hkey_w, W_SR, INTERPRET, 0), mask=mask)
+            tl.store(w_t + rel, _to_bf16(w_new, hoff, hkey_w, W_SR, INTERPRET, 0), mask=mask, eviction_policy=EVICT)
         else:
-            tl.store(w_t + rel, w_new, mask=mask)
+            tl.store(w_t + rel, w_new, mask=mask, eviction_policy=EVICT)
         if S0 != 0:
             s0_new = tl.where(finite, s0_new, s0_old)
             # slots 0 and 1 draw from the weight's hash (key_s0 and key_s1 are not used: _random16)
             _store_state(s0_t, sc0_ptr, s0_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hkey_w,
-                         S0, S_SR, INTERPRET, 1, BM, BN)
+                         S0, S_SR, INTERPRET, 1, EVICT, BM, BN)
         if S1 != 0:
             s1_new = tl.where(finite, s1_new, s1_old)
             _store_state(s1_t, sc1_ptr, s1_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hkey_w,
-                         S1, S_SR, INTERPRET, 2, BM, BN)
+                         S1, S_SR, INTERPRET, 2, EVICT, BM, BN)
         if S2 != 0:
             s2_new = tl.where(finite, s2_new, s2_old)
             _store_state(s2_t, sc2_ptr, s2_new, rel, hoff, mask, offs_m, sb_idx, M, NSB, hbase + key_s2.to(tl.uint32),
-                         S2, S_SR, INTERPRET, 0, BM, BN)
+                         S2, S_SR, INTERPRET, 0, EVICT, BM, BN)
 
 
 @jit
@@ -387,7 +390,8 @@ def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
                    MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr, W_BF16: tl.constexpr,
                    W_SR: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
                    INTERPRET: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LOOKAHEAD: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LOOKAHEAD: tl.constexpr,
+                   EVICT: tl.constexpr):
     """The epilogue of one [BM, BN] tile on SPLIT (1, 2 or 4) row slices of BM/SPLIT rows, one after
     another (fewer live registers). A load issued after a store to W or a state may alias it, so
     neither the compiler nor the hardware moves it ahead: LOOKAHEAD 1 therefore issues each slice's
@@ -404,32 +408,32 @@ def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         a10, a11 = _split_rows(a1, BM // 2, BN)
         A = (a00, a01, a10, a11)
     ahead: tl.constexpr = 0 if LOOKAHEAD == 0 else (1 if LOOKAHEAD == 1 else SPLIT - 1)
-    L0 = _epi_load(row0, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+    L0 = _epi_load(row0, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
     if SPLIT > 1 and ahead >= 1:
-        L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
     if SPLIT > 2 and ahead >= 2:
-        L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
-        L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+        L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+        L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
     _epi_apply(A[0], row0, col0, L0, P, M, N, NSB, C, K,
-               UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+               UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
     if SPLIT > 1:
         if ahead == 0:
-            L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+            L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
         if SPLIT > 2 and ahead == 1:
-            L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+            L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
         _epi_apply(A[1], row0 + Q, col0, L1, P, M, N, NSB, C, K,
-                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
     if SPLIT > 2:
         if ahead == 0:
-            L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+            L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
         if ahead == 1:
-            L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+            L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
         _epi_apply(A[2], row0 + 2 * Q, col0, L2, P, M, N, NSB, C, K,
-                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
         if ahead == 0:
-            L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, Q, BN)
+            L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
         _epi_apply(A[3], row0 + 3 * Q, col0, L3, P, M, N, NSB, C, K,
-                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, Q, BN)
+                   UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
 
 
 # BT, M, NSB and the hash keys change from call to call (token count, layer, step): never
@@ -445,7 +449,7 @@ def forge_fused_kernel(
         DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, USE_TMA: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_SIZE: tl.constexpr,
         EPI_SPLIT: tl.constexpr, FLATTEN: tl.constexpr, PREFETCH: tl.constexpr,
-        EPI_LOOKAHEAD: tl.constexpr):
+        EPI_LOOKAHEAD: tl.constexpr, EPI_EVICT: tl.constexpr):
     """One persistent program: for each of its tiles, G = dY[:, rows]^T X[:, cols], then epilogue."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
@@ -507,13 +511,13 @@ def forge_fused_kernel(
         if EPI_SPLIT <= 4:
             _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD)
+                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD, EPI_EVICT)
         else:  # 8 row slices: two halves of four
             H8: tl.constexpr = BM // 2
             a0, a1 = _split_rows(acc, BM, BN)
             _epilogue_tile(a0, row0, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           H8, BN, 4, EPI_LOOKAHEAD)
+                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT)
             _epilogue_tile(a1, row0 + H8, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           H8, BN, 4, EPI_LOOKAHEAD)
+                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT)

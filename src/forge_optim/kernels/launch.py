@@ -47,6 +47,11 @@ class KernelConfig:
     # BT=0 launch of this config's tile applies the update from it; the gradient never exists beyond
     # one chunk. Same random bits as the fused kernel (hash keys shifted by each chunk's offset).
     split_mb: int = 0
+    # L2 evict-first policy on the epilogue's W and state loads and stores (GPU only; changes no bit): the
+    # state streams through L2 once per step while dY/X tiles are re-read from it. H100, bf16 state, same
+    # run: -1 to -5% on 64x64/64x128/128x256 tiles of the 14336-wide shapes, +-1% at 4096x4096 (NOTES.md,
+    # twenty-third session); in the exploratory candidates until a tuning run ranks it.
+    evict_first: bool = False
 
     def __post_init__(self):
         if self.BN % 64 != 0:
@@ -65,7 +70,7 @@ class KernelConfig:
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
                 f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}{f' la{self.epi_lookahead}' if self.epi_lookahead else ''}"
-                f"{f' split{self.split_mb}' if self.split_mb else ''}")
+                f"{f' split{self.split_mb}' if self.split_mb else ''}{' ev' if self.evict_first else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -139,6 +144,13 @@ EXPLORE_SMALL_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
     # the 2-program 128x128 with lookahead 1 (offline: 40 B of spills): never won (H100, 2026-12-05)
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, epi_lookahead=1),
+    # the H100 tables' BT=512 winners with an L2 evict-first policy on the state traffic (twenty-third
+    # session, forced-config A/B, bf16 state, same bits: 64x128 p3 -2.5% at 14336x4096, 64x64 p4 -5% at
+    # BT=64 on the 14336-wide shapes, 128x256 -1.6 to +1.2%); not yet ranked by a whole-weight tuning run
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, evict_first=True),
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, evict_first=True),
+    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, epi_lookahead=1, evict_first=True),
+    KernelConfig(64, 64, 64, 4, 3, 8, 4, 4, maxnreg=128, prefetch=True, epi_lookahead=1, evict_first=True),
 )
 
 
@@ -279,7 +291,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             0 if accumulate else kinds[0], 0 if accumulate else kinds[1], 0 if accumulate else kinds[2],
             bool(stochastic_state), dot_prec, interp, use_tma,
             cfg.BM, cfg.BN, cfg.BK, cfg.group_size, cfg.epi_split, cfg.flatten and not interp,
-            cfg.prefetch and not interp, cfg.epi_lookahead)
+            cfg.prefetch and not interp, cfg.epi_lookahead, "evict_first" if cfg.evict_first and not interp else "")
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg and not interp:
         options["maxnreg"] = cfg.maxnreg
@@ -596,7 +608,7 @@ class Tuner:
         return cfg
 
 
-_BOOL_FIELDS = ("use_tma", "flatten", "prefetch")
+_BOOL_FIELDS = ("use_tma", "flatten", "prefetch", "evict_first")
 
 
 def _parse_cfg(text: str) -> dict:
