@@ -1118,58 +1118,52 @@ def test_gpu_tuned_matches_fixed(shape):
         torch.testing.assert_close(va.data, vb.data, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
-def test_gpu_prefetch_changes_no_bit(mode):
-    """An L2 prefetch is only a hint: every prefetch config writes exactly the bits of its twin
-    without prefetch (odd shape, so the clamped edge prefetches are exercised too)."""
+def _assert_twins_write_same_bits(mode, twins, off: dict, seed: int, bad_entry=None):
+    """Each config in ``twins`` and its twin ``replace(cfg, **off)`` write the same W, states, scales and
+    non-finite count, from the same AdamW job, on an odd shape (1000x3008, BT=515: masked edges and
+    partial tiles) on the GPU. ``bad_entry``: a (token, row) of dY set to NaN, so that one row of the
+    gradient is not finite (the per-tile count and the guard)."""
     from dataclasses import replace
 
     from forge_optim.backends.triton_backend import TritonBackend
-    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
 
     M, N, BT = 1000, 3008, 515
-    dy, x = _gpu_inputs(BT, M, N, seed=3)
-    twins = [c for c in ALL_TUNED_CONFIGS if c.prefetch]
+    dy, x = _gpu_inputs(BT, M, N, seed=seed)
+    if bad_entry is not None:
+        dy[bad_entry] = float("nan")
     assert twins
     for cfg in twins:
-        a = make_job("AdamW", mode, M, N, device="cuda", seed=4)
+        a = make_job("AdamW", mode, M, N, device="cuda", seed=seed + 1)
         b = copy.deepcopy(a)
         TritonBackend(config=cfg).update(a, dy, x)
-        TritonBackend(config=replace(cfg, prefetch=False)).update(b, dy, x)
+        TritonBackend(config=replace(cfg, **off)).update(b, dy, x)
         assert torch.equal(a.weight, b.weight), cfg.short()
         for va, vb in zip(a.states, b.states):
             assert torch.equal(va.data, vb.data), cfg.short()
             if va.quantized:
                 assert torch.equal(va.scale, vb.scale), cfg.short()
+        assert int(a.nonfinite) == int(b.nonfinite) == (0 if bad_entry is None else N), cfg.short()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
+def test_gpu_prefetch_changes_no_bit(mode):
+    """An L2 prefetch is only a hint: every prefetch config writes exactly the bits of its twin
+    without prefetch (odd shape, so the clamped edge prefetches are exercised too)."""
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
+
+    _assert_twins_write_same_bits(mode, [c for c in ALL_TUNED_CONFIGS if c.prefetch], dict(prefetch=False), seed=3)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
 def test_gpu_evict_first_changes_no_bit(mode):
     """An L2 eviction policy is only a hint: every evict-first config (the exploratory candidates) writes
-    exactly the bits of its twin without it, non-finite count included (odd shape: masked edges)."""
-    from dataclasses import replace
-
-    from forge_optim.backends.triton_backend import TritonBackend
+    exactly the bits of its twin without it, non-finite count included."""
     from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS
 
-    M, N, BT = 1000, 3008, 515
-    dy, x = _gpu_inputs(BT, M, N, seed=6)
-    dy[3, 5] = float("inf")
     twins = [c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS if c.evict_first]
-    assert twins
-    for cfg in twins:
-        a = make_job("AdamW", mode, M, N, device="cuda", seed=7)
-        b = copy.deepcopy(a)
-        TritonBackend(config=cfg).update(a, dy, x)
-        TritonBackend(config=replace(cfg, evict_first=False)).update(b, dy, x)
-        assert torch.equal(a.weight, b.weight), cfg.short()
-        for va, vb in zip(a.states, b.states):
-            assert torch.equal(va.data, vb.data), cfg.short()
-            if va.quantized:
-                assert torch.equal(va.scale, vb.scale), cfg.short()
-        assert int(a.nonfinite) == int(b.nonfinite) == N, cfg.short()
+    _assert_twins_write_same_bits(mode, twins, dict(evict_first=False), seed=6, bad_entry=(3, 5))
 
 
 @pytest.mark.gpu
@@ -1178,28 +1172,14 @@ def test_gpu_lookahead_changes_no_bit(mode):
     """Issuing the next slices' loads early only reorders memory traffic: every lookahead config writes
     exactly the bits of its twin with lookahead 0, non-finite counts included (on the GPU, where the
     compiler could contract the same arithmetic differently once operands arrive earlier: the
-    interpreter cannot show that). Odd shape: masked edges and partial tiles."""
+    interpreter cannot show that)."""
     from dataclasses import replace
 
-    from forge_optim.backends.triton_backend import TritonBackend
     from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS, SMALL_BT_CONFIGS
 
-    M, N, BT = 1000, 3008, 515
-    dy, x = _gpu_inputs(BT, M, N, seed=5)
-    dy[7, 11] = float("nan")  # a non-finite gradient row: the per-tile count and the guard
     twins = list(dict.fromkeys(c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS if c.epi_lookahead))
     twins.append(replace(SMALL_BT_CONFIGS[-2], epi_lookahead=2))
-    for cfg in twins:
-        a = make_job("AdamW", mode, M, N, device="cuda", seed=6)
-        b = copy.deepcopy(a)
-        TritonBackend(config=cfg).update(a, dy, x)
-        TritonBackend(config=replace(cfg, epi_lookahead=0)).update(b, dy, x)
-        assert torch.equal(a.weight, b.weight), cfg.short()
-        for va, vb in zip(a.states, b.states):
-            assert torch.equal(va.data, vb.data), cfg.short()
-            if va.quantized:
-                assert torch.equal(va.scale, vb.scale), cfg.short()
-        assert int(a.nonfinite) == int(b.nonfinite) == N, cfg.short()
+    _assert_twins_write_same_bits(mode, twins, dict(epi_lookahead=0), seed=5, bad_entry=(7, 11))
 
 
 @pytest.mark.gpu
