@@ -19,9 +19,9 @@ The epilogue runs on row slices (``_epilogue_tile``): ``_epi_load`` issues a sli
 before this slice's stores. With ``EPI_EVICT = "evict_first"`` the W and state loads and stores
 carry an L2 evict-first policy (the state streams through L2 once per step while the mainloop re-reads
 dY and X tiles from it), a hint that changes no bit (NOTES.md, twenty-third session). Where the
-gradient is the accumulator itself, the non-finite count is
-one test of the tile's sum, and an exact count only when that sum is not finite
-(``_count_nonfinite_tile``; NOTES.md, seventh and eighth sessions).
+gradient is the accumulator itself, the non-finite count is one test of the tile's sum, and an exact
+count only when that sum is not finite (``_count_nonfinite_tile``; NOTES.md, seventh and eighth
+sessions).
 
 The numerics follow ``backends.torch_backend.apply_update`` op for op, except that the rules divide
 with ``_triton.fast_div`` (div.approx, <= 2 ulp); the stochastic-rounding bits come from the same
@@ -140,7 +140,8 @@ def _load_raw(s_ptr, sc_ptr, lin, mask, offs_m, sb_idx, M, NSB,
     if KIND == 0:
         return tl.zeros((BM, BN), dtype=tl.float32), tl.zeros((BM, BN // 64), dtype=tl.float32)
     elif KIND == 1 or KIND == 2:
-        return tl.load(s_ptr + lin, mask=mask, other=0.0, eviction_policy=EVICT), tl.zeros((BM, BN // 64), dtype=tl.float32)
+        return (tl.load(s_ptr + lin, mask=mask, other=0.0, eviction_policy=EVICT),
+                tl.zeros((BM, BN // 64), dtype=tl.float32))
     else:
         q = tl.load(s_ptr + lin, mask=mask, other=0, eviction_policy=EVICT)
         smask = (offs_m[:, None] < M) & (sb_idx[None, :] < NSB)

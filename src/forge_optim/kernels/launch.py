@@ -63,6 +63,12 @@ class KernelConfig:
         if self.split_mb < 0:
             raise ValueError(f"split_mb={self.split_mb} must be >= 0 (0: the fused schedule)")
 
+    @property
+    def eviction_policy(self) -> str:
+        """The epilogue's W/state access policy as the kernel's ``EPI_EVICT`` constexpr (tl.load/tl.store's
+        ``eviction_policy``; "" is Triton's default)."""
+        return "evict_first" if self.evict_first else ""
+
     def env(self) -> str:
         """This config as a ``FORGE_TRITON_CONFIG`` value (every launch then uses it, no tuning)."""
         return ",".join(f"{k}={int(v)}" for k, v in asdict(self).items())
@@ -291,7 +297,7 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             0 if accumulate else kinds[0], 0 if accumulate else kinds[1], 0 if accumulate else kinds[2],
             bool(stochastic_state), dot_prec, interp, use_tma,
             cfg.BM, cfg.BN, cfg.BK, cfg.group_size, cfg.epi_split, cfg.flatten and not interp,
-            cfg.prefetch and not interp, cfg.epi_lookahead, "evict_first" if cfg.evict_first and not interp else "")
+            cfg.prefetch and not interp, cfg.epi_lookahead, "" if interp else cfg.eviction_policy)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg and not interp:
         options["maxnreg"] = cfg.maxnreg

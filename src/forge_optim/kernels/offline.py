@@ -28,7 +28,7 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
                   S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
                   BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
                   EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch,
-                  EPI_LOOKAHEAD=cfg.epi_lookahead, EPI_EVICT="evict_first" if cfg.evict_first else "")
+                  EPI_LOOKAHEAD=cfg.epi_lookahead, EPI_EVICT=cfg.eviction_policy)
     sig = {}
     for n in names:
         if n in consts:
