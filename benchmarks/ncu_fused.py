@@ -53,6 +53,10 @@ CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no state
     ("big-int8-4096", 4096, 4096, 512, "int8", BIG),
     ("small-bf16-4096-bt64", 4096, 4096, 64, "bf16", SMALL),
     ("small-int8-4096-bt64", 4096, 4096, 64, "int8", SMALL),
+    # int8 on the 4-warp 64x128 tile, which the division-free block scale (f3b7a4e) made 24-29% slower
+    # although its static count fell 12% (twenty-third session): profile it on both trees
+    ("wide-int8-4096", 4096, 4096, 512, "int8", WIDE),
+    ("wide-int8-4096-bt64", 4096, 4096, 64, "int8", WIDE),
 ]
 
 
