@@ -1,0 +1,69 @@
+"""Where the fused kernel's epilogue issues its global loads and stores, from its sm_90a SASS (offline: Triton's
+bundled ptxas, no GPU): the instruction index of every LDG, STG, SHFL, MUFU.SQRT and CALL, with registers and
+spills, for the named configs. Loads that leave together show as one run of LDGs; loads that ptxas sank to
+their first uses show as LDGs between the previous one's SHFL/SQRT (NOTES.md, twenty-fourth session: the
+division-free int8 block scale serialized a slice's three loads).
+
+    PYTHONPATH=<tree>/src python3 benchmarks/sass_load_order.py --label L --out FILE [--configs "A|B"] [--states int8]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import sys
+
+import triton
+
+from forge_optim.kernels import fused, launch, offline, ptxas
+
+SHORT = {"LDG.E.": "L", "STG.E.": "S", "MUFU.SQRT": "SQ", "CALL.REL.NOINC": "C", "SHFL.BFLY": "SH"}
+
+
+def memory_order(sass: str) -> str:
+    """'index:op[xN]' for each run of the same memory, shuffle, sqrt or call instruction."""
+    runs = []
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    for i, ln in enumerate(lines):
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_.]+)?)", ln)
+        op = m.group(1)
+        for long, short in SHORT.items():
+            if op.startswith(long):
+                op = short + op[len(long):]
+                break
+        else:
+            continue
+        if runs and runs[-1][1] == op:
+            runs[-1][2] += 1
+        else:
+            runs.append([i, op, 1])
+    return " ".join(f"{i}:{op}" + (f"x{n}" if n > 1 else "") for i, op, n in runs)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default="128x256x64 w16 s3 g8 p1 e8 tma la1|64x64x64 w4 s3 g8 p4 e4 tma r128 pf la1|"
+                    "64x128x64 w4 s3 g8 p3 e8 tma r168|64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1")
+    ap.add_argument("--states", default="int8")
+    a = ap.parse_args()
+    known = {c.short(): c for c in launch.ALL_TUNED_CONFIGS}
+    rows = []
+    for name in a.configs.split("|"):
+        for kind in a.states.split(","):
+            s0, s1 = fused.ADAM_STATE_KINDS[kind][:2]
+            u = ptxas.ptxas_usage(offline.compile_fused(known[name], s0, s1).asm["ptx"], sass=True)
+            rows.append(dict(config=name, states=kind, registers=u["registers"], spill_bytes=u["spill_bytes"],
+                             order=memory_order(u["sass"])))
+            print(f"[{a.label}] {name} {kind}: {u['registers']} registers, {u['spill_bytes']} B spill\n  "
+                  f"{rows[-1]['order'][:600]}", flush=True)
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device="offline sm_90a",
+               triton=triton.__version__, command=" ".join([sys.executable] + sys.argv), label=a.label, rows=rows)
+    with open(a.out, "w") as f:
+        f.write(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
