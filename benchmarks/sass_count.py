@@ -54,9 +54,14 @@ def main():
                              per_element=round(n / per_thread, 1), opcodes=dict(sorted(ops.items()))))
             print(f"[{a.label}] {name} {kind}: {rows[-1]['per_element']} per element, "
                   f"{u['registers']} registers, {u['spill_bytes']} bytes spill", flush=True)
+    write_offline(a.out, a.label, rows)
+
+
+def write_offline(path: str, label: str, rows: list) -> None:
+    """An offline (no GPU) result file: date, target, Triton version, the command, label and rows."""
     out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device="offline sm_90a",
-               triton=triton.__version__, command=" ".join([sys.executable] + sys.argv), label=a.label, rows=rows)
-    with open(a.out, "w") as f:
+               triton=triton.__version__, command=" ".join([sys.executable] + sys.argv), label=label, rows=rows)
+    with open(path, "w") as f:
         f.write(json.dumps(out, indent=1) + "\n")
 
 

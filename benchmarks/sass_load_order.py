@@ -9,14 +9,14 @@ division-free int8 block scale serialized a slice's three loads).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import re
 import sys
-
-import triton
+from pathlib import Path
 
 from forge_optim.kernels import fused, launch, offline, ptxas
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass_count import write_offline  # noqa: E402
 
 SHORT = {"LDG.E.": "L", "STG.E.": "S", "MUFU.SQRT": "SQ", "CALL.REL.NOINC": "C", "SHFL.BFLY": "SH"}
 
@@ -59,10 +59,7 @@ def main():
                              order=memory_order(u["sass"])))
             print(f"[{a.label}] {name} {kind}: {u['registers']} registers, {u['spill_bytes']} B spill\n  "
                   f"{rows[-1]['order'][:600]}", flush=True)
-    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device="offline sm_90a",
-               triton=triton.__version__, command=" ".join([sys.executable] + sys.argv), label=a.label, rows=rows)
-    with open(a.out, "w") as f:
-        f.write(json.dumps(out, indent=1) + "\n")
+    write_offline(a.out, a.label, rows)
 
 
 if __name__ == "__main__":
