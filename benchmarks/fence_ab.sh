@@ -13,7 +13,8 @@ start=$(date +%s)
 ab() {  # tree label states
   (cd /tmp/$1 && PYTHONPATH=/tmp/$1/src timeout -k 5 150 python3 benchmarks/epilogue_ab.py --label $2 \
     --out /tmp/res/ab-$2.json --shapes 4096x4096,14336x4096,4096x14336 --states $3 2>&1 \
-    | grep -v "Warning\|warnings.warn" >> $OUT/ab.log; echo "$2 rc=$? t=$(( $(date +%s) - start ))" | tee -a $OUT/ab.log)
+    | grep -v "Warning\|warnings.warn" >> $OUT/ab.log; echo "$2 rc=${PIPESTATUS[0]} t=$(( $(date +%s) - start ))" \
+    | tee -a $OUT/ab.log)
   tar -czf $OUT/ab.tgz -C /tmp/res .
 }
 ab main main-r1 int8; ab fbs fbs-r1 int8; ab new new-r1 int8; ab fence fence-r1 int8

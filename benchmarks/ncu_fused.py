@@ -4,13 +4,14 @@
 
 Cases (bf16 W; AdamW; one forced config each, no tuning; ``python3 benchmarks/ncu_fused.py a,b`` runs
 only the named ones): the H200's old BT=512 winner (64x64, 4 programs/SM) on 4096x4096 with bf16 and
-int8 states and on 14336x4096; the 64x128 3-programs config on 4096x4096 (wider tiles were 1.2-2x
-slower per element: why?); the BT=8192 config; the fp32 accumulate mode (mainloop + an 8 B/element
+int8 states and on 14336x4096; the 64x128 3-programs config on 4096x4096 (wider tiles were 1.2-2x slower
+per element: why?); the BT=8192 config; the fp32 accumulate mode (mainloop + an 8 B/element
 read-modify-write, no rule); torch's wgrad GEMM and ``_fused_adamw_`` on the 4096x4096 operands, the
-baseline (c); and the H100's BT=512 winner (128x256, 16 warps) at BT=64 (the update alone) and 512
-with bf16 and int8 states. Every launch is preceded by a warm-up outside the profiled range
-(compilation, TMA allocator). The order of the profiled launches is printed, so that the report's
-kernel IDs can be mapped to cases.
+baseline (c); the H100's BT=512 winner (128x256, 16 warps) at BT=64 (the update alone) and 512 with bf16
+and int8 states; and the 64x128 tile with int8 states at BT=64 and 512 (the division-free block scale's
+slowdown, profiled on both trees). Every launch is preceded by a warm-up outside the profiled range
+(compilation, TMA allocator). The order of the profiled launches is printed, so that the report's kernel
+IDs can be mapped to cases.
 """
 from __future__ import annotations
 

@@ -42,11 +42,7 @@ def main():
         for kind in a.states.split(","):
             s0, s1 = fused.ADAM_STATE_KINDS[kind][:2]
             u = ptxas.ptxas_usage(offline.compile_fused(cfg, s0, s1).asm["ptx"], sass=True)
-            ops = collections.Counter()
-            for line in u["sass"].splitlines():
-                m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-                if m:
-                    ops[m.group(1)] += 1
+            ops = collections.Counter(op.split(".")[0] for op in opcodes(u["sass"]))
             n = sum(ops.values())
             per_thread = cfg.BM * cfg.BN / (cfg.num_warps * 32)
             rows.append(dict(config=name, short=cfg.short(), states=kind, registers=u["registers"],
@@ -55,6 +51,12 @@ def main():
             print(f"[{a.label}] {name} {kind}: {rows[-1]['per_element']} per element, "
                   f"{u['registers']} registers, {u['spill_bytes']} bytes spill", flush=True)
     write_offline(a.out, a.label, rows)
+
+
+def opcodes(sass: str) -> list[str]:
+    """The opcode of each instruction of a cuobjdump SASS listing, with its modifiers (``LDG.E.128``),
+    without its predicate."""
+    return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_.]+)?)", sass, re.M)
 
 
 def write_offline(path: str, label: str, rows: list) -> None:

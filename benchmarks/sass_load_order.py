@@ -9,14 +9,13 @@ division-free int8 block scale serialized a slice's three loads).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
 from forge_optim.kernels import fused, launch, offline, ptxas
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass_count import write_offline  # noqa: E402
+from sass_count import opcodes, write_offline  # noqa: E402
 
 SHORT = {"LDG.E.": "L", "STG.E.": "S", "MUFU.SQRT": "SQ", "CALL.REL.NOINC": "C", "SHFL.BFLY": "SH"}
 
@@ -24,10 +23,7 @@ SHORT = {"LDG.E.": "L", "STG.E.": "S", "MUFU.SQRT": "SQ", "CALL.REL.NOINC": "C",
 def memory_order(sass: str) -> str:
     """'index:op[xN]' for each run of the same memory, shuffle, sqrt or call instruction."""
     runs = []
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
-    for i, ln in enumerate(lines):
-        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+(?:\.[A-Z0-9_.]+)?)", ln)
-        op = m.group(1)
+    for i, op in enumerate(opcodes(sass)):
         for long, short in SHORT.items():
             if op.startswith(long):
                 op = short + op[len(long):]
