@@ -387,6 +387,20 @@ def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @jit
+def _load_fence(row0, INTERPRET: tl.constexpr):
+    """A scheduling fence after a slice's loads: a warp-wide bar.warp.sync (ptxas elides the instruction
+    for a converged full mask but keeps its memory ordering), which stops ptxas from sinking the loads
+    issued before it to their first uses. Without it, under a register cap and with no call in the
+    epilogue to stop it, ptxas gave the W and state loads of a slice the same registers and issued them
+    one after another, each a DRAM round trip (NOTES.md, twenty-fourth session). Returns ``row0``
+    through the instruction so that it is not dropped as dead code (the interpreter has no inline assembly)."""
+    if INTERPRET:
+        return row0
+    return tl.inline_asm_elementwise("bar.warp.sync -1;\n\tmov.b32 $0, $1;", "=r,r", [row0], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@jit
 def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
                    MODE: tl.constexpr, HAS_BUF: tl.constexpr, COUNT_NF: tl.constexpr, W_BF16: tl.constexpr,
                    W_SR: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
@@ -410,29 +424,38 @@ def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         A = (a00, a01, a10, a11)
     ahead: tl.constexpr = 0 if LOOKAHEAD == 0 else (1 if LOOKAHEAD == 1 else SPLIT - 1)
     L0 = _epi_load(row0, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+    row0 = _load_fence(row0, INTERPRET)
     if SPLIT > 1 and ahead >= 1:
         L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+        row0 = _load_fence(row0, INTERPRET)
     if SPLIT > 2 and ahead >= 2:
         L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+        row0 = _load_fence(row0, INTERPRET)
         L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+        row0 = _load_fence(row0, INTERPRET)
     _epi_apply(A[0], row0, col0, L0, P, M, N, NSB, C, K,
                UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
     if SPLIT > 1:
         if ahead == 0:
             L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+            row0 = _load_fence(row0, INTERPRET)
         if SPLIT > 2 and ahead == 1:
             L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+            row0 = _load_fence(row0, INTERPRET)
         _epi_apply(A[1], row0 + Q, col0, L1, P, M, N, NSB, C, K,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
     if SPLIT > 2:
         if ahead == 0:
             L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+            row0 = _load_fence(row0, INTERPRET)
         if ahead == 1:
             L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+            row0 = _load_fence(row0, INTERPRET)
         _epi_apply(A[2], row0 + 2 * Q, col0, L2, P, M, N, NSB, C, K,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
         if ahead == 0:
             L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
+            row0 = _load_fence(row0, INTERPRET)
         _epi_apply(A[3], row0 + 3 * Q, col0, L3, P, M, N, NSB, C, K,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
 
