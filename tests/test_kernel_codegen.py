@@ -140,6 +140,37 @@ def test_int8_scale_block_indices_take_no_shuffles():
     assert extra <= 2 * 3 * cfg.epi_split + 2, extra
 
 
+def test_int8_epilogue_slice_loads_leave_together():
+    """Each epilogue slice's W and state loads are issued together, before the slice's absmax
+    reductions (fused._load_fence). Without the fence, the division-free int8 block scale let ptxas
+    (168-register cap, no call left in the epilogue) sink the loads to their first uses in the same
+    registers: codes of v, then the v update and its absmax shuffles, then codes of m, ..., then W, three
+    DRAM round trips per slice; 64x128 ran 24-29% slower on the H100 (NOTES.md, twenty-third and
+    twenty-fourth sessions). In SASS: no SHFL between the first and the last load of any slice, on that
+    config (lookahead 0: with lookahead, the next slice's loads are meant to overlap this slice's
+    reductions, so the criterion does not apply)."""
+    import re
+
+    from forge_optim.kernels import ptxas
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
+
+    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}["64x128x64 w4 s3 g8 p3 e8 tma r168"]
+    sass = ptxas.ptxas_usage(compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"], sass=True)["sass"]
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(LDG\.E\.(?:128|64)|SHFL)\b", sass, re.M)
+    groups, run = [], []  # runs of W (128-bit) and code (64-bit) loads that no shuffle separates
+    for op in ops + ["SHFL"]:
+        if op == "SHFL":
+            if run:
+                groups.append(run)
+            run = []
+        else:
+            run.append(op)
+    assert groups, "no epilogue loads found"
+    # a slice loads W (LDG.E.128) and the codes of m and v (two LDG.E.64)
+    for g in groups:
+        assert g.count("LDG.E.128") >= 1 and g.count("LDG.E.64") == 2 * g.count("LDG.E.128"), groups
+
+
 @pytest.mark.parametrize("states", ["bf16", "int8"])
 def test_static_launch_layout_matches_the_kernel_entry(states):
     """The static launch (kernels/launch.py) hands torch's C++ launcher one 8-byte slot per kernel
