@@ -140,21 +140,23 @@ def test_int8_scale_block_indices_take_no_shuffles():
     assert extra <= 2 * 3 * cfg.epi_split + 2, extra
 
 
-def test_int8_epilogue_slice_loads_leave_together():
+@pytest.mark.parametrize("config", ["64x128x64 w4 s3 g8 p3 e8 tma r168", "128x256x64 w16 s3 g8 p1 e8 tma la1",
+                                    "256x128x64 w16 s3 g8 p1 e8 tma la1"])
+def test_int8_epilogue_slice_loads_leave_together(config):
     """Each epilogue slice's W and state loads are issued together, before the slice's absmax
-    reductions (fused._load_fence). Without the fence, the division-free int8 block scale let ptxas
-    (168-register cap, no call left in the epilogue) sink the loads to their first uses in the same
-    registers: codes of v, then the v update and its absmax shuffles, then codes of m, ..., then W, three
-    DRAM round trips per slice; 64x128 ran 24-29% slower on the H100 (NOTES.md, twenty-third and
-    twenty-fourth sessions). In SASS: no SHFL between the first and the last load of any slice, on that
-    config (lookahead 0: with lookahead, the next slice's loads are meant to overlap this slice's
-    reductions, so the criterion does not apply)."""
+    reductions (fused._load_fence). Without the fence ptxas sinks loads to their first uses: on the
+    16-warp winner 128x256 la1 (main before the fence) a slice's W and code loads were split across its
+    shuffles, and the fence took it 5-6% faster with int8 states on the H100 (twenty-fifth session,
+    benchmarks/results/fence-ab-2026-12-07.json); on 64x128 p3 r168 the division-free int8 block scale
+    of f3b7a4e without the fence gave three serial DRAM round trips per slice, +24-29%. In SASS: every
+    run of loads that no SHFL separates holds W (LDG.E.128) and the codes of m and v (two LDG.E.64 per
+    W load). With lookahead the next slice's loads may join this slice's run (still whole slices)."""
     import re
 
     from forge_optim.kernels import ptxas
     from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
 
-    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}["64x128x64 w4 s3 g8 p3 e8 tma r168"]
+    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}[config]
     sass = ptxas.ptxas_usage(compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"], sass=True)["sass"]
     ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(LDG\.E\.(?:128|64)|SHFL)\b", sass, re.M)
     groups, run = [], []  # runs of W (128-bit) and code (64-bit) loads that no shuffle separates
@@ -169,6 +171,22 @@ def test_int8_epilogue_slice_loads_leave_together():
     # a slice loads W (LDG.E.128) and the codes of m and v (two LDG.E.64)
     for g in groups:
         assert g.count("LDG.E.128") >= 1 and g.count("LDG.E.64") == 2 * g.count("LDG.E.128"), groups
+
+
+@pytest.mark.parametrize("config,fenced", [("128x256x64 w16 s3 g8 p1 e8 tma la1", True),
+                                           ("256x128x64 w16 s3 g8 p1 e8 tma la1", True),
+                                           ("64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1", False),
+                                           ("64x64x64 w4 s3 g8 p4 e4 tma r128 pf la1", False)])
+def test_load_fence_only_on_large_tiles(config, fenced):
+    """fused._load_fence is compiled into tiles of at least 128x256 (where it was measured faster) and
+    not into the small 4-warp tiles (measured 1-3% slower with it): their code stays what it was."""
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
+
+    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}[config]
+    for kinds in ((fused.S_INT8, fused.S_UINT8), (fused.S_BF16, fused.S_BF16)):
+        ptx = compile_fused(cfg, *kinds).asm["ptx"]
+        # the fence's inline asm; Triton's own TMA descriptor code has bar.warp.sync with a tab
+        assert ("bar.warp.sync -1;" in ptx) == fenced, (config, kinds)
 
 
 @pytest.mark.parametrize("states", ["bf16", "int8"])

@@ -387,14 +387,17 @@ def _split_rows(acc, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @jit
-def _load_fence(row0, INTERPRET: tl.constexpr):
+def _load_fence(row0, INTERPRET: tl.constexpr, ON: tl.constexpr):
     """A scheduling fence after a slice's loads: a warp-wide bar.warp.sync (ptxas elides the instruction
     for a converged full mask but keeps its memory ordering), which stops ptxas from sinking the loads
     issued before it to their first uses. Without it, under a register cap and with no call in the
     epilogue to stop it, ptxas gave the W and state loads of a slice the same registers and issued them
     one after another, each a DRAM round trip (NOTES.md, twenty-fourth session). Returns ``row0``
-    through the instruction so that it is not dropped as dead code (the interpreter has no inline assembly)."""
-    if INTERPRET:
+    through the instruction so that it is not dropped as dead code (the interpreter has no inline assembly).
+    ON (``_epilogue_tile``'s FENCE) is set on tiles of at least 128x256 only: measured on the H100 (NOTES.md,
+    twenty-fifth session) it took the 16-warp 128x256 tile 5-6% faster with int8 states and 0-1% with bf16,
+    and the 4-warp 64x128 and 64x64 tiles 1-3% slower with int8 (their loads were grouped already)."""
+    if INTERPRET or not ON:
         return row0
     return tl.inline_asm_elementwise("bar.warp.sync -1;\n\tmov.b32 $0, $1;", "=r,r", [row0], dtype=tl.int32,
                                      is_pure=False, pack=1)
@@ -406,7 +409,7 @@ def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
                    W_SR: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S_SR: tl.constexpr,
                    INTERPRET: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, LOOKAHEAD: tl.constexpr,
-                   EVICT: tl.constexpr):
+                   EVICT: tl.constexpr, FENCE: tl.constexpr):
     """The epilogue of one [BM, BN] tile on SPLIT (1, 2 or 4) row slices of BM/SPLIT rows, one after
     another (fewer live registers). A load issued after a store to W or a state may alias it, so
     neither the compiler nor the hardware moves it ahead: LOOKAHEAD 1 therefore issues each slice's
@@ -424,38 +427,38 @@ def _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K, UPDATE: tl.constexpr,
         A = (a00, a01, a10, a11)
     ahead: tl.constexpr = 0 if LOOKAHEAD == 0 else (1 if LOOKAHEAD == 1 else SPLIT - 1)
     L0 = _epi_load(row0, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-    row0 = _load_fence(row0, INTERPRET)
+    row0 = _load_fence(row0, INTERPRET, FENCE)
     if SPLIT > 1 and ahead >= 1:
         L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-        row0 = _load_fence(row0, INTERPRET)
+        row0 = _load_fence(row0, INTERPRET, FENCE)
     if SPLIT > 2 and ahead >= 2:
         L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-        row0 = _load_fence(row0, INTERPRET)
+        row0 = _load_fence(row0, INTERPRET, FENCE)
         L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-        row0 = _load_fence(row0, INTERPRET)
+        row0 = _load_fence(row0, INTERPRET, FENCE)
     _epi_apply(A[0], row0, col0, L0, P, M, N, NSB, C, K,
                UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
     if SPLIT > 1:
         if ahead == 0:
             L1 = _epi_load(row0 + Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-            row0 = _load_fence(row0, INTERPRET)
+            row0 = _load_fence(row0, INTERPRET, FENCE)
         if SPLIT > 2 and ahead == 1:
             L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-            row0 = _load_fence(row0, INTERPRET)
+            row0 = _load_fence(row0, INTERPRET, FENCE)
         _epi_apply(A[1], row0 + Q, col0, L1, P, M, N, NSB, C, K,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
     if SPLIT > 2:
         if ahead == 0:
             L2 = _epi_load(row0 + 2 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-            row0 = _load_fence(row0, INTERPRET)
+            row0 = _load_fence(row0, INTERPRET, FENCE)
         if ahead == 1:
             L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-            row0 = _load_fence(row0, INTERPRET)
+            row0 = _load_fence(row0, INTERPRET, FENCE)
         _epi_apply(A[2], row0 + 2 * Q, col0, L2, P, M, N, NSB, C, K,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
         if ahead == 0:
             L3 = _epi_load(row0 + 3 * Q, col0, P, M, N, NSB, MODE, HAS_BUF, S0, S1, S2, EVICT, Q, BN)
-            row0 = _load_fence(row0, INTERPRET)
+            row0 = _load_fence(row0, INTERPRET, FENCE)
         _epi_apply(A[3], row0 + 3 * Q, col0, L3, P, M, N, NSB, C, K,
                    UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET, EVICT, Q, BN)
 
@@ -532,16 +535,17 @@ def forge_fused_kernel(
         C = (c0, c1, c2, c3, c4, c5, c6, c7, grad_sign)
         K = (key_w, key_s0, key_s1, key_s2)
         COUNT_NF: tl.constexpr = HAS_NF and HAS_BUF
+        FENCE: tl.constexpr = BM * BN >= 128 * 256  # _load_fence: where it was measured to help
         if EPI_SPLIT <= 4:
             _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD, EPI_EVICT)
+                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD, EPI_EVICT, FENCE)
         else:  # 8 row slices: two halves of four
             H8: tl.constexpr = BM // 2
             a0, a1 = _split_rows(acc, BM, BN)
             _epilogue_tile(a0, row0, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT)
+                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT, FENCE)
             _epilogue_tile(a1, row0 + H8, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT)
+                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT, FENCE)
