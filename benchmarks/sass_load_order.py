@@ -4,7 +4,10 @@ spills, for the named configs. Loads that leave together show as one run of LDGs
 their first uses show as LDGs between the previous one's SHFL/SQRT (NOTES.md, twenty-fourth session: the
 division-free int8 block scale serialized a slice's three loads).
 
-    PYTHONPATH=<tree>/src python3 benchmarks/sass_load_order.py --label L --out FILE [--configs "A|B"] [--states int8]
+    PYTHONPATH=<tree>/src python3 benchmarks/sass_load_order.py --label L --out FILE [--configs "A|B"|all] [--states int8]
+
+Each row also says whether every run of loads holds whole int8 slices (``offline.slice_loads_grouped``, the
+criterion of tests/test_kernel_codegen.py); ``--configs all`` takes every TMA candidate of launch.ALL_TUNED_CONFIGS.
 """
 from __future__ import annotations
 
@@ -46,15 +49,18 @@ def main():
     ap.add_argument("--states", default="int8")
     a = ap.parse_args()
     known = {c.short(): c for c in launch.ALL_TUNED_CONFIGS}
+    names = [n for n, c in known.items() if c.use_tma] if a.configs == "all" else a.configs.split("|")
     rows = []
-    for name in a.configs.split("|"):
+    for name in names:
         for kind in a.states.split(","):
             s0, s1 = fused.ADAM_STATE_KINDS[kind][:2]
             u = ptxas.ptxas_usage(offline.compile_fused(known[name], s0, s1).asm["ptx"], sass=True)
+            runs = offline.epilogue_load_runs(u["sass"])
+            grouped = offline.slice_loads_grouped(runs) if kind == "int8" else None
             rows.append(dict(config=name, states=kind, registers=u["registers"], spill_bytes=u["spill_bytes"],
-                             order=memory_order(u["sass"])))
-            print(f"[{a.label}] {name} {kind}: {u['registers']} registers, {u['spill_bytes']} B spill\n  "
-                  f"{rows[-1]['order'][:600]}", flush=True)
+                             order=memory_order(u["sass"]), load_runs=runs, slice_loads_grouped=grouped))
+            print(f"[{a.label}] {name} {kind}: {u['registers']} registers, {u['spill_bytes']} B spill, "
+                  f"slice loads grouped: {grouped}\n  {rows[-1]['order'][:600]}", flush=True)
     write_offline(a.out, a.label, rows)
 
 

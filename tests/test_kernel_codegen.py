@@ -151,26 +151,15 @@ def test_int8_epilogue_slice_loads_leave_together(config):
     of f3b7a4e without the fence gave three serial DRAM round trips per slice, +24-29%. In SASS: every
     run of loads that no SHFL separates holds W (LDG.E.128) and the codes of m and v (two LDG.E.64 per
     W load). With lookahead the next slice's loads may join this slice's run (still whole slices)."""
-    import re
-
     from forge_optim.kernels import ptxas
     from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
+    from forge_optim.kernels.offline import epilogue_load_runs, slice_loads_grouped
 
     cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}[config]
     sass = ptxas.ptxas_usage(compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"], sass=True)["sass"]
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(LDG\.E\.(?:128|64)|SHFL)\b", sass, re.M)
-    groups, run = [], []  # runs of W (128-bit) and code (64-bit) loads that no shuffle separates
-    for op in ops + ["SHFL"]:
-        if op == "SHFL":
-            if run:
-                groups.append(run)
-            run = []
-        else:
-            run.append(op)
-    assert groups, "no epilogue loads found"
-    # a slice loads W (LDG.E.128) and the codes of m and v (two LDG.E.64)
-    for g in groups:
-        assert g.count("LDG.E.128") >= 1 and g.count("LDG.E.64") == 2 * g.count("LDG.E.128"), groups
+    runs = epilogue_load_runs(sass)
+    assert runs, "no epilogue loads found"
+    assert slice_loads_grouped(runs), runs
 
 
 @pytest.mark.parametrize("config,fenced", [("128x256x64 w16 s3 g8 p1 e8 tma la1", True),

@@ -2,6 +2,8 @@
 for reports (benchmarks/compile_report.py) and for tests of properties of the generated code."""
 from __future__ import annotations
 
+import re
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -47,3 +49,24 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
     return k
+
+
+def epilogue_load_runs(sass: str) -> list[tuple[int, int]]:
+    """The epilogue's global loads of an sm_90a SASS listing as runs that no SHFL separates, each run as
+    (W loads, state-code loads) = (LDG.E.128, LDG.E.64) counts (int8 states: one W load and the m and v codes
+    per slice). The slice's absmax reductions are shuffles, so a slice whose loads ptxas sank to their first
+    uses shows as runs with W or codes missing (fused._load_fence, NOTES.md, twenty-fifth session)."""
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(LDG\.E\.(?:128|64)|SHFL)\b", sass, re.M)
+    runs, run = [], []
+    for op in ops + ["SHFL"]:
+        if op != "SHFL":
+            run.append(op)
+        elif run:
+            runs.append((run.count("LDG.E.128"), run.count("LDG.E.64")))
+            run = []
+    return runs
+
+
+def slice_loads_grouped(runs: list[tuple[int, int]]) -> bool:
+    """Whether every run of ``epilogue_load_runs`` holds whole int8 slices: W and both codes of each."""
+    return bool(runs) and all(w >= 1 and codes == 2 * w for w, codes in runs)
