@@ -1,8 +1,9 @@
 #!/bin/bash
 # Twenty-fifth session's planned device call (NOTES.md): the load fence's gate (fused.py: FENCE on tiles of
 # at least 128x256) was set from an A/B of three configs. This measures the configs it decided unmeasured:
-# 128x128 w8 (the H200 tables' BT=8192 int8 winners; offline their int8 slice loads are split, as 128x256's
-# were) and 64x128 pf la1 (the H100 table's int8 14336x4096 BT=512 entry), with 128x256 la1 as the control,
+# 64x128 pf la1 (the H100 table's int8 14336x4096 BT=512 entry; offline its slice loads are split on main, as
+# 128x256 la1's were) and 128x128 w8 e4 (the H200 tables' BT=8192 int8 winners; grouped already), with 128x256
+# la1 as the control,
 # on main (pre = the kernel before the fence), fence (the fence on every tile) and this tree (gated).
 # Build the trees here first (build/ is ignored; carry the tarballs):
 #   git archive 35a0626 | gzip > build/pre.tar.gz; git archive fence | gzip > build/fence.tar.gz

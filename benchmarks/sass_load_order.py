@@ -7,7 +7,8 @@ division-free int8 block scale serialized a slice's three loads).
     PYTHONPATH=<tree>/src python3 benchmarks/sass_load_order.py --label L --out FILE [--configs "A|B"|all] [--states int8]
 
 Each row also says whether every run of loads holds whole int8 slices (``offline.slice_loads_grouped``, the
-criterion of tests/test_kernel_codegen.py); ``--configs all`` takes every TMA candidate of launch.ALL_TUNED_CONFIGS.
+criterion of tests/test_kernel_codegen.py; null where it does not apply: e4 tiles load codes as wide as W);
+``--configs all`` takes every TMA candidate of launch.ALL_TUNED_CONFIGS.
 """
 from __future__ import annotations
 

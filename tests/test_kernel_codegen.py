@@ -159,7 +159,21 @@ def test_int8_epilogue_slice_loads_leave_together(config):
     sass = ptxas.ptxas_usage(compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"], sass=True)["sass"]
     runs = epilogue_load_runs(sass)
     assert runs, "no epilogue loads found"
-    assert slice_loads_grouped(runs), runs
+    assert slice_loads_grouped(runs) is True, runs
+
+
+def test_slice_loads_grouped_reads_runs_of_w_and_code_loads():
+    """The criterion on runs of (W loads, code loads): whole slices pass, a slice cut by a shuffle fails,
+    and a kernel whose codes are not 64-bit loads (e4 tiles) is not judged."""
+    from forge_optim.kernels.offline import epilogue_load_runs, slice_loads_grouped
+
+    assert slice_loads_grouped([(1, 2), (2, 4)]) is True
+    assert slice_loads_grouped([(1, 2), (0, 1), (1, 1)]) is False
+    assert slice_loads_grouped([(4, 0), (4, 0)]) is None
+    sass = "\n".join(f"        /*{i:04x}*/                   {op} R{i}, desc[UR4][R2.64] ;"
+                      for i, op in enumerate(["LDG.E.128", "LDG.E.64", "LDG.E.64", "SHFL.BFLY PT, R1, R2, 0x1, 0x1f",
+                                              "@P0 LDG.E.64", "SHFL.BFLY PT, R1, R2, 0x2, 0x1f", "LDG.E.128"]))
+    assert epilogue_load_runs(sass) == [(1, 2), (0, 1), (1, 0)]
 
 
 @pytest.mark.parametrize("config,fenced", [("128x256x64 w16 s3 g8 p1 e8 tma la1", True),

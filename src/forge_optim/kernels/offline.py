@@ -67,6 +67,10 @@ def epilogue_load_runs(sass: str) -> list[tuple[int, int]]:
     return runs
 
 
-def slice_loads_grouped(runs: list[tuple[int, int]]) -> bool:
-    """Whether every run of ``epilogue_load_runs`` holds whole int8 slices: W and both codes of each."""
-    return bool(runs) and all(w >= 1 and codes == 2 * w for w, codes in runs)
+def slice_loads_grouped(runs: list[tuple[int, int]]) -> bool | None:
+    """Whether every run of ``epilogue_load_runs`` holds whole int8 slices: W and both codes of each. None
+    where no code load is 64-bit: with 4 slices per tile (e4) a thread's codes are as wide as its W row
+    (all LDG.E.128), so this count cannot tell them apart."""
+    if not any(codes for _, codes in runs):
+        return None
+    return all(w >= 1 and codes == 2 * w for w, codes in runs)
