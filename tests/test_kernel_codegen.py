@@ -141,21 +141,23 @@ def test_int8_scale_block_indices_take_no_shuffles():
 
 
 @pytest.mark.parametrize("config", ["64x128x64 w4 s3 g8 p3 e8 tma r168", "128x256x64 w16 s3 g8 p1 e8 tma la1",
-                                    "256x128x64 w16 s3 g8 p1 e8 tma la1"])
+                                    "256x128x64 w16 s3 g8 p1 e8 tma la1",
+                                    "64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1 fc1"])
 def test_int8_epilogue_slice_loads_leave_together(config):
     """Each epilogue slice's W and state loads are issued together, before the slice's absmax
     reductions (fused._load_fence). Without the fence ptxas sinks loads to their first uses: on the
     16-warp winner 128x256 la1 (main before the fence) a slice's W and code loads were split across its
     shuffles, and the fence took it 5-6% faster with int8 states on the H100 (twenty-fifth session,
     benchmarks/results/fence-ab-2026-12-07.json); on 64x128 p3 r168 the division-free int8 block scale
-    of f3b7a4e without the fence gave three serial DRAM round trips per slice, +24-29%. In SASS: every
+    of f3b7a4e without the fence gave three serial DRAM round trips per slice, +24-29%. The fenced twin of
+    64x128 pf la1 (exploratory: that tile is split without the fence) is grouped. In SASS: every
     run of loads that no SHFL separates holds W (LDG.E.128) and the codes of m and v (two LDG.E.64 per
     W load). With lookahead the next slice's loads may join this slice's run (still whole slices)."""
     from forge_optim.kernels import ptxas
-    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS
     from forge_optim.kernels.offline import epilogue_load_runs, slice_loads_grouped
 
-    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}[config]
+    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS}[config]
     sass = ptxas.ptxas_usage(compile_fused(cfg, fused.S_INT8, fused.S_UINT8).asm["ptx"], sass=True)["sass"]
     runs = epilogue_load_runs(sass)
     assert runs, "no epilogue loads found"
@@ -176,16 +178,22 @@ def test_slice_loads_grouped_reads_runs_of_w_and_code_loads():
     assert epilogue_load_runs(sass) == [(1, 2), (0, 1), (1, 0)]
 
 
-@pytest.mark.parametrize("config,fenced", [("128x256x64 w16 s3 g8 p1 e8 tma la1", True),
-                                           ("256x128x64 w16 s3 g8 p1 e8 tma la1", True),
-                                           ("64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1", False),
-                                           ("64x64x64 w4 s3 g8 p4 e4 tma r128 pf la1", False)])
-def test_load_fence_only_on_large_tiles(config, fenced):
-    """fused._load_fence is compiled into tiles of at least 128x256 (where it was measured faster) and
-    not into the small 4-warp tiles (measured 1-3% slower with it): their code stays what it was."""
+@pytest.mark.parametrize("config,load_fence,fenced", [("128x256x64 w16 s3 g8 p1 e8 tma la1", -1, True),
+                                                      ("256x128x64 w16 s3 g8 p1 e8 tma la1", -1, True),
+                                                      ("64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1", -1, False),
+                                                      ("64x64x64 w4 s3 g8 p4 e4 tma r128 pf la1", -1, False),
+                                                      ("64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1", 1, True),
+                                                      ("128x256x64 w16 s3 g8 p1 e8 tma la1", 0, False)])
+def test_load_fence_only_on_large_tiles(config, load_fence, fenced):
+    """By default fused._load_fence is compiled into tiles of at least 128x256 (where it was measured
+    faster) and not into the small 4-warp tiles (measured 1-3% slower with it): their code stays what it
+    was. KernelConfig.load_fence forces it on or off."""
+    from dataclasses import replace
+
     from forge_optim.kernels.launch import ALL_TUNED_CONFIGS
 
-    cfg = {c.short(): c for c in ALL_TUNED_CONFIGS}[config]
+    cfg = replace({c.short(): c for c in ALL_TUNED_CONFIGS}[config], load_fence=load_fence)
+    assert cfg.fence == fenced
     for kinds in ((fused.S_INT8, fused.S_UINT8), (fused.S_BF16, fused.S_BF16)):
         ptx = compile_fused(cfg, *kinds).asm["ptx"]
         # the fence's inline asm; Triton's own TMA descriptor code has bar.warp.sync with a tab

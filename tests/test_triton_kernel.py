@@ -932,6 +932,24 @@ def test_config_env_round_trips_every_field():
     assert cfg.short().endswith(" ev") and " ev" not in KernelConfig().short()
 
 
+def test_load_fence_defaults_by_tile_and_twins_are_named():
+    """KernelConfig.load_fence: -1 takes the tile's default (on from 128x256), 0 / 1 force it; a forced value
+    equal to the default is the same config (no duplicate candidates), a real twin is marked fc0 / fc1 in its
+    short name and survives FORGE_TRITON_CONFIG; anything else is refused by name."""
+    from forge_optim.kernels.launch import KernelConfig, _parse_cfg
+
+    small, large = KernelConfig(64, 128), KernelConfig(128, 256, num_warps=16)
+    assert (small.fence, large.fence) == (False, True)
+    assert KernelConfig(64, 128, load_fence=0) == small and KernelConfig(128, 256, num_warps=16, load_fence=1) == large
+    on, off = KernelConfig(64, 128, load_fence=1), KernelConfig(128, 256, num_warps=16, load_fence=0)
+    assert (on.fence, off.fence) == (True, False)
+    assert on.short().endswith(" fc1") and off.short().endswith(" fc0") and " fc" not in small.short() + large.short()
+    for cfg in (small, on, off):
+        assert KernelConfig(**_parse_cfg(cfg.env())) == cfg
+    with pytest.raises(ValueError, match="load_fence"):
+        KernelConfig(load_fence=2)
+
+
 def test_split_rows_chunks_of_about_split_mb():
     """Chunks of the split schedule: about split_mb MiB of fp32 gradient, a multiple of 64 rows, at
     least 64, at most the weight; a negative size is refused by name."""
@@ -1164,6 +1182,19 @@ def test_gpu_evict_first_changes_no_bit(mode):
 
     twins = [c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS if c.evict_first]
     _assert_twins_write_same_bits(mode, twins, dict(evict_first=False), seed=6, bad_entry=(3, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
+def test_gpu_load_fence_changes_no_bit(mode):
+    """The load fence only orders instructions: every config with it forced (the exploratory twins, and
+    the large tiles' default) writes exactly the bits of its twin with it off, non-finite count included."""
+    from forge_optim.kernels.launch import EXPLORE_SMALL_BT_CONFIGS, SMALL_BT_CONFIGS
+
+    large = {c.short(): c for c in SMALL_BT_CONFIGS}["128x256x64 w16 s3 g8 p1 e8 tma la1"]
+    twins = [c for c in EXPLORE_SMALL_BT_CONFIGS if c.load_fence == 1] + [large]
+    assert len(twins) >= 2 and all(c.fence for c in twins)
+    _assert_twins_write_same_bits(mode, twins, dict(load_fence=0), seed=8, bad_entry=(5, 9))
 
 
 @pytest.mark.gpu

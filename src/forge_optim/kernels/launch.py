@@ -52,6 +52,11 @@ class KernelConfig:
     # run: -1 to -5% on 64x64/64x128/128x256 tiles of the 14336-wide shapes, +-1% at 4096x4096 (NOTES.md,
     # twenty-third session); in the exploratory candidates until a tuning run ranks it.
     evict_first: bool = False
+    # fused._load_fence after each epilogue slice's loads (changes no bit): -1 takes the default, on for tiles
+    # of at least 128x256 only (H100, int8 state, same run: -4.6 to -6.2% there, +1 to +3% on the grouped
+    # 4-warp tiles; NOTES.md, twenty-fifth session); 0 / 1 force it off / on (the exploratory twins).
+    # Normalized to -1 where it equals the default, so a twin that changes nothing is the same config.
+    load_fence: int = -1
 
     def __post_init__(self):
         if self.BN % 64 != 0:
@@ -62,6 +67,18 @@ class KernelConfig:
             raise ValueError(f"epi_lookahead={self.epi_lookahead} must be 0, 1 or 2")
         if self.split_mb < 0:
             raise ValueError(f"split_mb={self.split_mb} must be >= 0 (0: the fused schedule)")
+        if self.load_fence not in (-1, 0, 1):
+            raise ValueError(f"load_fence={self.load_fence} must be -1 (the tile's default), 0 (off) or 1 (on)")
+        if self.load_fence == int(self._fence_default()):
+            object.__setattr__(self, "load_fence", -1)
+
+    def _fence_default(self) -> bool:
+        return self.BM * self.BN >= 128 * 256
+
+    @property
+    def fence(self) -> bool:
+        """Whether the kernel fences each epilogue slice's loads (its ``EPI_FENCE`` constexpr)."""
+        return self._fence_default() if self.load_fence == -1 else bool(self.load_fence)
 
     @property
     def eviction_policy(self) -> str:
@@ -76,7 +93,8 @@ class KernelConfig:
     def short(self) -> str:
         return (f"{self.BM}x{self.BN}x{self.BK} w{self.num_warps} s{self.num_stages} g{self.group_size} "
                 f"p{self.progs_per_sm} e{self.epi_split}{' tma' if self.use_tma else ''}{' flat' if self.flatten else ''}{f' r{self.maxnreg}' if self.maxnreg else ''}{' pf' if self.prefetch else ''}{f' la{self.epi_lookahead}' if self.epi_lookahead else ''}"
-                f"{f' split{self.split_mb}' if self.split_mb else ''}{' ev' if self.evict_first else ''}")
+                f"{f' split{self.split_mb}' if self.split_mb else ''}{' ev' if self.evict_first else ''}"
+                f"{f' fc{self.load_fence}' if self.load_fence != -1 else ''}")
 
 
 # Interpreter: tiny blocks so that the CPU tests stay fast; 3 programs exercise the persistent loop.
@@ -157,6 +175,9 @@ EXPLORE_SMALL_BT_CONFIGS = (
     KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, evict_first=True),
     KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, epi_lookahead=1, evict_first=True),
     KernelConfig(64, 64, 64, 4, 3, 8, 4, 4, maxnreg=128, prefetch=True, epi_lookahead=1, evict_first=True),
+    # the load fence on the one tile whose slice loads stay split without it (offline SASS, int8: the H100
+    # table's int8 14336x4096 BT=512 winner; results/sass-2026-12-07-slice-loads-gated.json); unmeasured
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, load_fence=1),
 )
 
 
@@ -297,7 +318,8 @@ def launch(*, weight, dy, x, rule_update=None, coeffs=(0.0,) * 8, states=(None, 
             0 if accumulate else kinds[0], 0 if accumulate else kinds[1], 0 if accumulate else kinds[2],
             bool(stochastic_state), dot_prec, interp, use_tma,
             cfg.BM, cfg.BN, cfg.BK, cfg.group_size, cfg.epi_split, cfg.flatten and not interp,
-            cfg.prefetch and not interp, cfg.epi_lookahead, "" if interp else cfg.eviction_policy)
+            cfg.prefetch and not interp, cfg.epi_lookahead, "" if interp else cfg.eviction_policy,
+            cfg.fence and not interp)
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg and not interp:
         options["maxnreg"] = cfg.maxnreg

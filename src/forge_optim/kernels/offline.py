@@ -30,7 +30,8 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
                   S0=s_kind, S1=s1_kind, S2=0, S_SR=True, DOT_PREC="tf32", INTERPRET=False, USE_TMA=use_tma,
                   BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, GROUP_SIZE=cfg.group_size,
                   EPI_SPLIT=cfg.epi_split, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch,
-                  EPI_LOOKAHEAD=cfg.epi_lookahead, EPI_EVICT=cfg.eviction_policy)
+                  EPI_LOOKAHEAD=cfg.epi_lookahead, EPI_EVICT=cfg.eviction_policy,
+                  EPI_FENCE=cfg.fence)
     sig = {}
     for n in names:
         if n in consts:
@@ -44,7 +45,7 @@ def compile_fused(cfg, s_kind, s1_kind, use_tma=True, rule="AdamW", w_bf16=True,
     # what the runtime specializes: 16-byte aligned pointers, sizes divisible by 16 (all our shapes)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n == "N"}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items() if k in names}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})))
