@@ -1,6 +1,6 @@
 #!/bin/bash
 # BT=512 exploratory configs on the device, in one call (~4-9 minutes): the GPU bit-identity tests of every
-# prefetch, evict-first and lookahead config against its twin without the hint (exploratory ones included;
+# prefetch, evict-first, lookahead and load-fence config against its twin without the hint (exploratory ones included;
 # TESTS=<pytest -k expression> narrows them), then the whole-weight tuner over
 # the default and exploratory BT=512 candidates (FORGE_TUNE_EXPLORE=1) for Llama-3.1-8B's shapes.
 #   bash benchmarks/bt512_explore.sh OUTDIR
