@@ -394,10 +394,11 @@ def _load_fence(row0, INTERPRET: tl.constexpr, ON: tl.constexpr):
     epilogue to stop it, ptxas gave the W and state loads of a slice the same registers and issued them
     one after another, each a DRAM round trip (NOTES.md, twenty-fourth session). Returns ``row0``
     through the instruction so that it is not dropped as dead code (the interpreter has no inline assembly).
-    ON (``_epilogue_tile``'s FENCE, ``KernelConfig.fence``) is by default set on tiles of at least 128x256
-    only: measured on the H100 (NOTES.md, twenty-fifth session) it took the 16-warp 128x256 tile 5-6% faster
-    with int8 states and 0-1% with bf16, and the 4-warp 64x128 and 64x64 tiles 1-3% slower with int8 (their
-    loads were grouped already); ``KernelConfig.load_fence`` overrides it per config."""
+    ON (``_epilogue_tile``'s FENCE: the kernel's EPI_FENCE, ``KernelConfig.fence``) is by default set on
+    tiles of at least 128x256 only: measured on the H100 (NOTES.md, twenty-fifth session) it took the
+    16-warp 128x256 tile 5-6% faster with int8 states and 0-1% with bf16, and the 4-warp 64x128 and 64x64
+    tiles 1-3% slower with int8 (their loads were grouped already); ``KernelConfig.load_fence`` overrides it
+    per config."""
     if INTERPRET or not ON:
         return row0
     return tl.inline_asm_elementwise("bar.warp.sync -1;\n\tmov.b32 $0, $1;", "=r,r", [row0], dtype=tl.int32,
@@ -536,17 +537,16 @@ def forge_fused_kernel(
         C = (c0, c1, c2, c3, c4, c5, c6, c7, grad_sign)
         K = (key_w, key_s0, key_s1, key_s2)
         COUNT_NF: tl.constexpr = HAS_NF and HAS_BUF
-        FENCE: tl.constexpr = EPI_FENCE  # _load_fence (KernelConfig.fence: on the large tiles by default)
         if EPI_SPLIT <= 4:
             _epilogue_tile(acc, row0, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD, EPI_EVICT, FENCE)
+                           BM, BN, EPI_SPLIT, EPI_LOOKAHEAD, EPI_EVICT, EPI_FENCE)
         else:  # 8 row slices: two halves of four
             H8: tl.constexpr = BM // 2
             a0, a1 = _split_rows(acc, BM, BN)
             _epilogue_tile(a0, row0, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT, FENCE)
+                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT, EPI_FENCE)
             _epilogue_tile(a1, row0 + H8, col0, P, M, N, NSB, C, K,
                            UPDATE, MODE, HAS_BUF, COUNT_NF, W_BF16, W_SR, S0, S1, S2, S_SR, INTERPRET,
-                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT, FENCE)
+                           H8, BN, 4, EPI_LOOKAHEAD, EPI_EVICT, EPI_FENCE)
