@@ -5,8 +5,10 @@
 # shipped table's on the keys both hold (kernels/tuned.py); the shipped run gets an empty user directory.
 #   NEW_TABLE=path/to/table.json bash benchmarks/e2e_table_ab.sh OUTDIR
 # METHODS_OLD / METHODS_NEW choose the methods of each half; BUDGET is each bench's --time-budget (s).
+# OLD_TREE (default: this tree) runs the shipped half on another tree's code, e.g. a kernel before a change
+# unpacked from `git archive REV | gzip > build/pre.tar.gz` (then OLD_TREE=/tmp/pre after unpacking it there).
 set -u
-OUTD=${1:-${OUT:-/tmp/e2e-table-ab}}
+OUTD=$(realpath -m "${1:-${OUT:-/tmp/e2e-table-ab}}")
 : "${NEW_TABLE:?set NEW_TABLE to the candidate table (tune_shapes.py --out)}"
 mkdir -p "$OUTD"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -18,7 +20,7 @@ bench() {
     --steps 10 --warmup 5 --profile-steps 2 --timeline-methods '' --no-plots --time-budget ${BUDGET:-300} \
     --method-timeout 170 "$@" 2>&1 | grep -v "Warning\|warnings.warn"
 }
-FORGE_TUNED_DIR=$EMPTY bench --methods ${METHODS_OLD:-forge-bf16,torch-fused-adamw} --out "$OUTD/shipped" \
-  | tee "$OUTD/shipped.log" | tail -8
+(cd "${OLD_TREE:-.}" && FORGE_TUNED_DIR=$EMPTY bench --methods ${METHODS_OLD:-forge-bf16,torch-fused-adamw} \
+  --out "$OUTD/shipped") | tee "$OUTD/shipped.log" | tail -8
 FORGE_TUNED_DIR=$NEW bench --methods ${METHODS_NEW:-forge-bf16} --out "$OUTD/candidate" \
   | tee "$OUTD/candidate.log" | tail -8
