@@ -142,7 +142,8 @@ def test_int8_scale_block_indices_take_no_shuffles():
 
 @pytest.mark.parametrize("config", ["64x128x64 w4 s3 g8 p3 e8 tma r168", "128x256x64 w16 s3 g8 p1 e8 tma la1",
                                     "256x128x64 w16 s3 g8 p1 e8 tma la1",
-                                    "64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1 fc1"])
+                                    "64x128x64 w4 s3 g8 p3 e8 tma r168 pf la1 fc1",
+                                    "128x256x64 w16 s3 g8 p1 e8 tma la1 ev"])
 def test_int8_epilogue_slice_loads_leave_together(config):
     """Each epilogue slice's W and state loads are issued together, before the slice's absmax
     reductions (fused._load_fence). Without the fence ptxas sinks loads to their first uses: on the

@@ -122,6 +122,12 @@ SMALL_BT_CONFIGS = (
     # lookahead 0); they won 8 of 10 BT=512 whole-weight timings there: bf16 -0.5 to -1.1%, int8 -4.5 to -5.3%
     KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, epi_lookahead=1),
     KernelConfig(256, 128, 64, 16, 3, 8, 1, 8, epi_lookahead=1),
+    # promoted from the exploratory list (H100, results/retune-2026-12-07-h100, after the load fence): the L2
+    # evict-first twins that won BT=512 whole-weight timings there, same bits: 128x256 la1 ev won 4 of 5 int8
+    # shapes (-1 to -4% against the same tile without it) and the bf16 lm_head; 64x128 p3 ev the bf16
+    # 14336x4096 (-2%)
+    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, epi_lookahead=1, evict_first=True),
+    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, evict_first=True),
     # (the last two stay last: tests and benchmarks name the 64x64 one as SMALL_BT_CONFIGS[-2])
     # promoted from the exploratory list (H200, results/kernel-2026-12-02-explore.json): small tiles,
     # 4 programs/SM; 64x64 won 1024x4096 and 4096x4096 at BT=512 (-14% against the best above)
@@ -168,15 +174,13 @@ EXPLORE_SMALL_BT_CONFIGS = (
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, prefetch=True),
     # the 2-program 128x128 with lookahead 1 (offline: 40 B of spills): never won (H100, 2026-12-05)
     KernelConfig(128, 128, 64, 8, 2, 8, 2, 8, maxnreg=128, epi_lookahead=1),
-    # the H100 tables' BT=512 winners with an L2 evict-first policy on the state traffic (twenty-third
-    # session, forced-config A/B, bf16 state, same bits: 64x128 p3 -2.5% at 14336x4096, 64x64 p4 -5% at
-    # BT=64 on the 14336-wide shapes, 128x256 -1.6 to +1.2%); not yet ranked by a whole-weight tuning run
-    KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, evict_first=True),
+    # evict-first twins of the other H100 BT=512 winners (twenty-third session's A/B: 64x64 p4 -5% at BT=64 on
+    # the 14336-wide shapes); on the whole weight at BT=512 they won nothing (H100, 2026-12-07)
     KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, evict_first=True),
-    KernelConfig(128, 256, 64, 16, 3, 8, 1, 8, epi_lookahead=1, evict_first=True),
     KernelConfig(64, 64, 64, 4, 3, 8, 4, 4, maxnreg=128, prefetch=True, epi_lookahead=1, evict_first=True),
-    # the load fence on the one tile whose slice loads stay split without it (offline SASS, int8: the H100
-    # table's int8 14336x4096 BT=512 winner; results/sass-2026-12-07-slice-loads-gated.json); unmeasured
+    # the load fence on the one tile whose slice loads stay split without it (offline SASS, int8;
+    # results/sass-2026-12-07-slice-loads-gated.json): 0.94-1.00x of its unfenced twin on the H100 (int8,
+    # BT=512, results/retune-2026-12-07-h100), but it won no entry
     KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, load_fence=1),
 )
 

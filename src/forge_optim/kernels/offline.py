@@ -56,14 +56,16 @@ def epilogue_load_runs(sass: str) -> list[tuple[int, int]]:
     """The epilogue's global loads of an sm_90a SASS listing as runs that no SHFL separates, each run as
     (W loads, state-code loads) = (LDG.E.128, LDG.E.64) counts (int8 states: one W load and the m and v codes
     per slice). The slice's absmax reductions are shuffles, so a slice whose loads ptxas sank to their first
-    uses shows as runs with W or codes missing (fused._load_fence, NOTES.md, twenty-fifth session)."""
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(LDG\.E\.(?:128|64)|SHFL)\b", sass, re.M)
+    uses shows as runs with W or codes missing (fused._load_fence, NOTES.md, twenty-fifth session). Loads
+    with an L2 evict-first policy (KernelConfig.evict_first) are LDG.E.EF.128 / LDG.E.EF.64 and count the same."""
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?(?:LDG\.E(?:\.EF)?\.(128|64)|(SHFL))\b",
+                     sass, re.M)
     runs, run = [], []
-    for op in ops + ["SHFL"]:
-        if op != "SHFL":
-            run.append(op)
+    for width, shfl in ops + [("", "SHFL")]:
+        if not shfl:
+            run.append(width)
         elif run:
-            runs.append((run.count("LDG.E.128"), run.count("LDG.E.64")))
+            runs.append((run.count("128"), run.count("64")))
             run = []
     return runs
 
