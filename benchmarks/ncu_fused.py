@@ -9,7 +9,8 @@ per element: why?); the BT=8192 config; the fp32 accumulate mode (mainloop + an 
 read-modify-write, no rule); torch's wgrad GEMM and ``_fused_adamw_`` on the 4096x4096 operands, the
 baseline (c); the H100's BT=512 winner (128x256, 16 warps) at BT=64 (the update alone) and 512 with bf16
 and int8 states; and the 64x128 tile with int8 states at BT=64 and 512 (the division-free block scale's
-slowdown, profiled on both trees). Every launch is preceded by a warm-up outside the profiled range
+slowdown, profiled on both trees); the evict-first twin of the 128x256 tile (the H100's int8 BT=512 winner
+since 2026-12-07) on 4096x4096 and 14336x4096. Every launch is preceded by a warm-up outside the profiled range
 (compilation, TMA allocator). The order of the profiled launches is printed, so that the report's kernel
 IDs can be mapped to cases.
 """
@@ -37,6 +38,7 @@ _KNOWN = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
 SMALL = _la(_KNOWN["64x64x64 w4 s3 g8 p4 e4 tma r128 pf la1"])  # 64x64, 4 programs/SM
 WIDE = _la(_KNOWN["64x128x64 w4 s3 g8 p3 e8 tma r168"])  # 64x128, 3 programs/SM
 BIG = _KNOWN["128x256x64 w16 s3 g8 p1 e8 tma la1"]  # the H100's BT=512 winner at 4096x4096 (2026-12-06)
+BIG_EV = _KNOWN["128x256x64 w16 s3 g8 p1 e8 tma la1 ev"]  # its evict-first twin, the H100's int8 winner (2026-12-07)
 LARGE = _la(_KNOWN["128x256x64 w16 s4 g8 p1 e8 tma la1"])  # the BT=8192 winner
 
 CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no states)
@@ -52,6 +54,8 @@ CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no state
     ("big-int8-4096-bt64", 4096, 4096, 64, "int8", BIG),
     ("big-bf16-4096", 4096, 4096, 512, "bf16", BIG),
     ("big-int8-4096", 4096, 4096, 512, "int8", BIG),
+    ("bigev-int8-4096", 4096, 4096, 512, "int8", BIG_EV),
+    ("bigev-int8-14336", 14336, 4096, 512, "int8", BIG_EV),
     ("small-bf16-4096-bt64", 4096, 4096, 64, "bf16", SMALL),
     ("small-int8-4096-bt64", 4096, 4096, 64, "int8", SMALL),
     # int8 on the 4-warp 64x128 tile, which the division-free block scale (f3b7a4e) made 24-29% slower
