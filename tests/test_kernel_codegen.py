@@ -151,7 +151,8 @@ def test_int8_epilogue_slice_loads_leave_together(config):
     shuffles, and the fence took it 5-6% faster with int8 states on the H100 (twenty-fifth session,
     benchmarks/results/fence-ab-2026-12-07.json); on 64x128 p3 r168 the division-free int8 block scale
     of f3b7a4e without the fence gave three serial DRAM round trips per slice, +24-29%. The fenced twin of
-    64x128 pf la1 (exploratory: that tile is split without the fence) is grouped. In SASS: every
+    64x128 pf la1 (exploratory: that tile is split without the fence) is grouped, and so is the
+    evict-first twin of 128x256 la1 (its loads are LDG.E.EF.*, counted the same). In SASS: every
     run of loads that no SHFL separates holds W (LDG.E.128) and the codes of m and v (two LDG.E.64 per
     W load). With lookahead the next slice's loads may join this slice's run (still whole slices)."""
     from forge_optim.kernels import ptxas
@@ -167,7 +168,8 @@ def test_int8_epilogue_slice_loads_leave_together(config):
 
 def test_slice_loads_grouped_reads_runs_of_w_and_code_loads():
     """The criterion on runs of (W loads, code loads): whole slices pass, a slice cut by a shuffle fails,
-    and a kernel whose codes are not 64-bit loads (e4 tiles) is not judged."""
+    and a kernel whose codes are not 64-bit loads (e4 tiles) is not judged; the parser reads plain and
+    evict-first loads."""
     from forge_optim.kernels.offline import epilogue_load_runs, slice_loads_grouped
 
     assert slice_loads_grouped([(1, 2), (2, 4)]) is True
@@ -177,6 +179,10 @@ def test_slice_loads_grouped_reads_runs_of_w_and_code_loads():
                       for i, op in enumerate(["LDG.E.128", "LDG.E.64", "LDG.E.64", "SHFL.BFLY PT, R1, R2, 0x1, 0x1f",
                                               "@P0 LDG.E.64", "SHFL.BFLY PT, R1, R2, 0x2, 0x1f", "LDG.E.128"]))
     assert epilogue_load_runs(sass) == [(1, 2), (0, 1), (1, 0)]
+    evict = "\n".join(f"        /*{i:04x}*/                   {op} R{i}, desc[UR4][R2.64] ;"
+                       for i, op in enumerate(["LDG.E.EF.128", "LDG.E.EF.64", "LDG.E.EF.64",
+                                               "SHFL.BFLY PT, R1, R2, 0x1, 0x1f"]))
+    assert epilogue_load_runs(evict) == [(1, 2)]  # evict-first loads (KernelConfig.evict_first) count the same
 
 
 @pytest.mark.parametrize("config,load_fence,fenced", [("128x256x64 w16 s3 g8 p1 e8 tma la1", -1, True),

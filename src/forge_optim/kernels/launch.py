@@ -50,7 +50,8 @@ class KernelConfig:
     # L2 evict-first policy on the epilogue's W and state loads and stores (GPU only; changes no bit): the
     # state streams through L2 once per step while dY/X tiles are re-read from it. H100, bf16 state, same
     # run: -1 to -5% on 64x64/64x128/128x256 tiles of the 14336-wide shapes, +-1% at 4096x4096 (NOTES.md,
-    # twenty-third session); in the exploratory candidates until a tuning run ranks it.
+    # twenty-third session). Ranked on the whole weight on 2026-12-07 (H100, BT=512): the twins that won are
+    # default candidates, the others exploratory (SMALL_BT_CONFIGS, EXPLORE_SMALL_BT_CONFIGS).
     evict_first: bool = False
     # fused._load_fence after each epilogue slice's loads (changes no bit): -1 takes the default, on for tiles
     # of at least 128x256 only (H100, int8 state, same run: -4.6 to -6.2% there, +1 to +3% on the grouped
