@@ -1199,6 +1199,19 @@ def test_gpu_load_fence_changes_no_bit(mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
+def test_gpu_k_step_changes_no_bit(mode):
+    """A 128-wide K step only groups the same wgmma instructions into fewer pipeline stages: the
+    accumulator sums the K slices in the same order, so every BK=128 config writes exactly the bits of its
+    BK=64 twin, non-finite count included."""
+    from forge_optim.kernels.launch import ALL_TUNED_CONFIGS, EXPLORE_SMALL_BT_CONFIGS
+
+    twins = [c for c in ALL_TUNED_CONFIGS + EXPLORE_SMALL_BT_CONFIGS if c.BK == 128 and c.BM * c.BN >= 128 * 256]
+    assert len(twins) >= 2
+    _assert_twins_write_same_bits(mode, twins, dict(BK=64, num_stages=3), seed=9, bad_entry=(2, 13))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["bf16-sr", "int8"])
 def test_gpu_lookahead_changes_no_bit(mode):
     """Issuing the next slices' loads early only reorders memory traffic: every lookahead config writes
     exactly the bits of its twin with lookahead 0, non-finite counts included (on the GPU, where the
