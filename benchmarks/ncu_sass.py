@@ -5,8 +5,10 @@ which instructions are executed most.
 
 ``source.csv`` is ``ncu -i REPORT --page source --csv --print-source sass`` (benchmarks/ncu_h200.sh).
 For each profiled kernel: the stall reasons summed over all samples, the executed warp-instructions
-by opcode (the first word of the SASS line, e.g. ``HFMA2``, ``LDG``, ``IMAD``), and the SASS lines
-with the most stall samples.
+by opcode (the first word of the SASS line, e.g. ``HFMA2``, ``LDG``, ``IMAD``), the SASS lines
+with the most stall samples, and the kernel by region: SASS lines grouped by how often each ran (a line run
+once per tile and warp is the epilogue, one run BT/BK times as often the K loop), with each group's share of
+instructions and of stall samples (NOTES.md, twenty-eighth session).
 """
 from __future__ import annotations
 
@@ -76,7 +78,27 @@ def main():
             reasons = sorted(((num(r[col[h]]), h[6:]) for h in stall_cols), reverse=True)[:2]
             why = ", ".join(f"{n} {v:.0f}" for v, n in reasons if v > 0)
             print(f"  {num(r[samp]) / tot_s * 100:5.1f}%  {r[0]:>6} {r[1].strip()[:70]:70s} [{why}]")
+        print("regions (SASS lines by how often each ran):")
+        for n, lines, i_share, s_share, top in regions(rows, samp, inst)[:6]:
+            print(f"  run {n:>9.0f} times: {lines:5d} lines, {i_share * 100:5.1f}% of instructions, "
+                  f"{s_share * 100:5.1f}% of samples; " + ", ".join(f"{o} {c:.0f}" for o, c in top))
         print()
+
+
+def regions(rows, samp, inst):
+    """(times run, lines, share of instructions, share of samples, top opcodes by lines) per group of
+    SASS lines run equally often, most instructions first."""
+    groups = {}
+    for r in rows:
+        g = groups.setdefault(num(r[inst]), [0, 0.0, 0.0, Counter()])
+        g[0] += 1
+        g[1] += num(r[inst])
+        g[2] += num(r[samp])
+        g[3][opcode(r[1])] += 1
+    tot_i = sum(g[1] for g in groups.values()) or 1.0
+    tot_s = sum(g[2] for g in groups.values()) or 1.0
+    out = [(n, g[0], g[1] / tot_i, g[2] / tot_s, g[3].most_common(5)) for n, g in groups.items()]
+    return sorted(out, key=lambda t: t[2], reverse=True)
 
 
 if __name__ == "__main__":

@@ -184,8 +184,9 @@ EXPLORE_SMALL_BT_CONFIGS = (
     # BT=512, results/retune-2026-12-07-h100), but it won no entry
     KernelConfig(64, 128, 64, 4, 3, 8, 3, 8, maxnreg=168, prefetch=True, epi_lookahead=1, load_fence=1),
     # BK=128 twins of the 16-warp winners, 2 stages (192 KB of shared memory; offline 100 / 84 B of int8 spills
-    # against 84): half the mainloop's CTA barriers per tile, where the H100 profile of 128x256 la1 at BT=512
-    # put 12-16% of the stall samples (NOTES.md, twenty-eighth session)
+    # against 84): half the K loop's CTA barriers per tile, which hold 12-16% of the stall samples in the H100
+    # profile of 128x256 la1 at BT=512; read by region, those barriers wait for the tensor cores (the K loop
+    # runs at ~90% of their peak), so 0.99-1.01x is predicted; not yet timed (NOTES.md, twenty-eighth session)
     KernelConfig(128, 256, 128, 16, 2, 8, 1, 8, epi_lookahead=1, evict_first=True),
     KernelConfig(256, 128, 128, 16, 2, 8, 1, 8, epi_lookahead=1),
 )
