@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from bench_kernel import fixed_job, make_states, unfused_step  # noqa: E402
 from forge_optim.backends.triton_backend import TritonBackend  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
+from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 
 # NCU_LOOKAHEAD=n: profile the configs with KernelConfig.epi_lookahead = n
@@ -62,6 +63,14 @@ CASES = [  # name, M, N, BT, state mode, config ("accumulate" mode uses no state
     # although its static count fell 12% (twenty-third session): profile it on both trees
     ("wide-int8-4096", 4096, 4096, 512, "int8", WIDE),
     ("wide-int8-4096-bt64", 4096, 4096, 64, "int8", WIDE),
+    # the Gluon ping-pong kernel (bf16 states only): its 64x128 tiles ran 2-2.5x slower per element than
+    # its 64x64 ones (fifth session, cause never profiled); the 2-programs-per-SM 64x64 schedule was its best
+    ("pp64-bf16-4096", 4096, 4096, 512, "pp-bf16", PP.PingPongConfig(BN=64, epi_n=2, stages=6)),
+    ("pp64x2-bf16-4096", 4096, 4096, 512, "pp-bf16",
+     PP.PingPongConfig(BN=64, epi_n=4, stages=3, consumer_regs=112, progs_per_sm=2, maxnreg=80)),
+    ("pp128-bf16-4096", 4096, 4096, 512, "pp-bf16", PP.PingPongConfig(BN=128, epi_n=4, stages=4)),
+    # the schedule the H100 table names for 4096x14336, 128256x4096 (2026-12-07), on the MLP's up/gate shape
+    ("pp128s5-bf16-14336", 14336, 4096, 512, "pp-bf16", PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)),
 ]
 
 
@@ -74,10 +83,24 @@ def main():
     for name, M, N, BT, mode, cfg in CASES:
         if only and name not in only:
             continue
-        os.environ["FORGE_TRITON_CONFIG"] = cfg.env()
-        backend = TritonBackend()
         dy = torch.randn(BT, M, device="cuda", generator=gen).bfloat16()
         x = torch.randn(BT, N, device="cuda", generator=gen).bfloat16()
+        if mode == "pp-bf16":
+            W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+            views = make_states("bf16", M, N, gen, rule, group)
+            coeffs = rule.padded(rule.coefficients(group, {}, 10))
+            nf = torch.zeros((), dtype=torch.int64, device="cuda")
+
+            def fn(W=W, views=views, dy=dy, x=x, cfg=cfg, coeffs=coeffs, nf=nf):
+                PP.launch(weight=W, dy=dy, x=x, rule_update=rule.triton_update, coeffs=coeffs,
+                          states=tuple(views) + (None,) * (3 - len(views)), nonfinite=nf, stochastic_weight=True,
+                          stochastic_state=True, key_weight=11, key_states=(22, 33, 0), config=cfg)
+            fn()
+            torch.cuda.synchronize()
+            prepared.append((f"{name} [{cfg.short()}]", fn))
+            continue
+        os.environ["FORGE_TRITON_CONFIG"] = cfg.env()
+        backend = TritonBackend()
         if mode == "accumulate":
             buf = torch.zeros(M, N, device="cuda")
 

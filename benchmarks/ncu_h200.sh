@@ -12,7 +12,7 @@ mkdir -p "$OUTD"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 ncu --version | tail -1
 ncu --clock-control none --profile-from-start off --target-processes all \
-  --kernel-name regex:'forge_fused_kernel|nvjet|gemm|multi_tensor' \
+  --kernel-name regex:'forge_fused_kernel|forge_pingpong_kernel|nvjet|gemm|multi_tensor' \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
   --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
   --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters \
@@ -25,6 +25,6 @@ l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_pe
 sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
   > "$OUTD/raw.csv" 2>&1
 # per-SASS-line stall samples of every profiled kernel (parsed offline: benchmarks/ncu_sass.py)
-ncu -i "$OUTD/ncu.ncu-rep" --page source --csv --print-source sass --kernel-name forge_fused_kernel \
+ncu -i "$OUTD/ncu.ncu-rep" --page source --csv --print-source sass --kernel-name regex:'forge_fused_kernel|forge_pingpong_kernel' \
   > "$OUTD/source.csv" 2> "$OUTD/source.err"; echo "source page rc=$? $(wc -c < "$OUTD/source.csv") bytes"; head -c 600 "$OUTD/source.err"
 grep -n "PROFILED\|forge_fused_kernel\|nvjet\|multi_tensor\|Duration\|Memory Throughput\|DRAM Throughput\|L2 Cache Throughput\|Compute (SM) Throughput\|Achieved Occupancy\|Registers Per Thread\|Stall\|One or More Eligible\|Issued Warp Per Scheduler" "$OUTD/details.txt" | head -300

@@ -197,7 +197,11 @@ def main():
             results["correctness"].append(r)
             print(json.dumps(r), flush=True)
             save()
-    small = [L.SMALL_BT_CONFIGS[-2], L.SMALL_BT_CONFIGS[4]]
+    # the shipped BT=512 winners (the 16-warp la1 tiles, twenty-seventh session's tables) and two
+    # multi-program tiles, so the ping-pong is compared with what users run
+    by_name = {c.short(): c for c in L.SMALL_BT_CONFIGS}
+    small = [by_name[n] for n in ("128x256x64 w16 s3 g8 p1 e8 tma la1", "256x128x64 w16 s3 g8 p1 e8 tma la1")]
+    small += [L.SMALL_BT_CONFIGS[-2], L.SMALL_BT_CONFIGS[4]]
     if a.explore:  # the Triton kernel with more resident programs per SM (register caps, small spills)
         small += [L.KernelConfig(64, 64, 64, 4, 3, 8, 5, 4, maxnreg=96, prefetch=True),
                   L.KernelConfig(64, 64, 64, 4, 2, 8, 5, 8, maxnreg=96, prefetch=True),

@@ -1,0 +1,86 @@
+"""Ping-pong (Gluon) schedules against the shipped Triton tile, bf16 W/m/v, AdamW, at BT=512 on the
+Llama-3.1-8B shapes (do_bench median, same run, rotating operands). Timing only: bits are
+pingpong_check.py's job.
+
+    PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512]
+Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from bench_kernel import rotating_inputs  # noqa: E402
+from forge_optim.kernels import launch as L  # noqa: E402
+from forge_optim.kernels import pingpong as PP  # noqa: E402
+from pingpong_check import run_pp, run_triton  # noqa: E402
+
+TRITON = ["128x256x64 w16 s3 g8 p1 e8 tma la1", "64x128x64 w4 s3 g8 p3 e8 tma r168 ev"]
+
+
+def pp_configs():
+    out = [PP.PingPongConfig(BN=64, epi_n=2, stages=6)]
+    for st, en in itertools.product((4, 5, 6), (2, 4, 8)):
+        out.append(PP.PingPongConfig(BN=128, epi_n=en, stages=st))
+    out.append(PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,1024x4096,128256x4096")
+    ap.add_argument("--bts", default="512")
+    a = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
+    res = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+               command=" ".join([sys.executable] + sys.argv), rows=[])
+    path = Path(os.environ["OUT"]) / "pp_sweep.json" if os.environ.get("OUT") else (
+        Path(__file__).resolve().parent / "results" / f"pp-sweep-{dt.date.today().isoformat()}.json")
+    for shape in a.shapes.split(","):
+        M, N = map(int, shape.split("x"))
+        for BT in map(int, a.bts.split(",")):
+            nxt = rotating_inputs(BT, M, N, gen, 3)
+            W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+            m = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).bfloat16()
+            v = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).square().bfloat16()
+            nf = torch.zeros((), dtype=torch.int64, device="cuda")
+            row = dict(shape=shape, BT=BT, ms={})
+            cands = [("triton " + n, lambda c=known[n]: run_triton(W, m, v, *nxt(), nf, c)) for n in TRITON]
+            cands += [(c.short(), lambda c=c: run_pp(W, m, v, *nxt(), nf, c)) for c in pp_configs()]
+            for name, fn in cands:
+                try:
+                    fn()
+                    torch.cuda.synchronize()
+                    row["ms"][name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+                except Exception as err:  # noqa: BLE001
+                    row["ms"][name] = repr(err)[:200]
+            t = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
+            bt = min(v for k, v in t.items() if k.startswith("triton"))
+            bp_name = min((k for k in t if not k.startswith("triton")), key=t.get)
+            row.update(best_triton_ms=bt, best_pp=bp_name, best_pp_ms=t[bp_name], pp_over_triton=t[bp_name] / bt)
+            top = sorted((v, k) for k, v in t.items())[:5]
+            print(f"{shape:>12} BT={BT:<5} triton {bt:.4f}  best pp {t[bp_name]:.4f} ({bp_name})  "
+                  f"ratio {t[bp_name] / bt:.3f}  top5 {[(k, round(v, 4)) for v, k in top]}", flush=True)
+            res["rows"].append(row)
+            path.write_text(json.dumps(res, indent=1) + "\n")
+            del nxt, W, m, v
+            torch.cuda.empty_cache()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
