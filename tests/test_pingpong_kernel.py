@@ -1,9 +1,12 @@
-"""The Gluon ping-pong kernel (kernels/pingpong.py), an experimental sm_90 variant of the fused kernel.
+"""The Gluon ping-pong kernel (kernels/pingpong.py), the sm_90 variant of the fused kernel that tuned tables
+may name for bf16/fp32-state keys.
 
 - CPU (Linux, Triton's bundled toolchain): the kernel compiles for sm_90a without register spills
   for its configs; the shared-memory fitting and the eligibility rules.
 - GPU (``@pytest.mark.gpu``, run on the device): it writes the Triton kernel's bits (bf16 W/m/v,
-  stochastic rounding), the same fp32 update, and the same non-finite count and guard.
+  stochastic rounding), the same fp32 update, and the same non-finite count and guard; the backend
+  launches a tabled ping-pong config and its prepared plan with those bits, and routes a misaligned dY to
+  the Triton kernel.
 """
 from __future__ import annotations
 
@@ -18,7 +21,30 @@ gluon = pytest.importorskip("triton.experimental.gluon")
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 
 CPU_CONFIGS = [PP.PingPongConfig(BN=64, epi_n=2, stages=6),
-               PP.PingPongConfig(BN=64, epi_n=4, stages=3, consumer_regs=112, progs_per_sm=2, maxnreg=80)]
+               PP.PingPongConfig(BN=64, epi_n=4, stages=3, consumer_regs=112, progs_per_sm=2, maxnreg=80),
+               # a 64x128 schedule the H100 table names (kernels/tuned/nvidia_h100_80gb_hbm3.json)
+               PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)]
+
+
+def test_table_form_round_trips_and_names_the_kernel():
+    for cfg in PP.CANDIDATES:
+        d = PP.table_dict(cfg)
+        assert d["kernel"] == "pingpong" and PP.from_table(d) == cfg
+
+
+def test_backend_says_why_the_pingpong_kernel_cannot_take_a_launch():
+    """The cases the Triton backend must route to the Triton kernel even where a table names the
+    ping-pong kernel: accumulation, a gradient buffer, an element-wise (BT=0) update, not on CUDA."""
+    from forge_optim.backends.triton_backend import pingpong_unsupported
+    from forge_optim.kernels import fused
+
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    dy = torch.zeros(8, 64, dtype=torch.bfloat16)
+    base = dict(weight=w, dy=dy, x=dy, states=(None, None, None), grad_buffer=None, mode=fused.MODE_UPDATE)
+    assert "accumulate" in pingpong_unsupported(dict(base, mode=fused.MODE_ACCUMULATE))
+    assert "gradient buffer" in pingpong_unsupported(dict(base, grad_buffer=torch.zeros(64, 64)))
+    assert "no tokens" in pingpong_unsupported(dict(base, dy=dy[:0], x=dy[:0]))
+    assert pingpong_unsupported(base) == "not on CUDA"
 
 
 def test_fit_config_shrinks_until_shared_memory_fits():
@@ -135,3 +161,63 @@ def test_gpu_pingpong_nonfinite_count_and_guard():
         assert count == out["triton"][3] == N  # every element of row 333, nothing outside the weight
         assert torch.equal(W[333], W0[333]) and torch.equal(m[333], m0[333]) and torch.equal(v[333], v0[333])
         assert torch.isfinite(W.float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the ping-pong kernel needs Hopper (sm_90)")
+def test_gpu_backend_launches_a_tabled_pingpong_config_and_its_plan(tmp_path, monkeypatch):
+    """A (user) table that names the ping-pong kernel for a key: the backend's update, and the prepared plan's
+    re-launches with new dY/X (pingpong.relaunch), write the Triton kernel's bits; a dY that is not 16-byte
+    aligned takes the Triton kernel instead (the plan refuses it, the update falls back), with the same bits."""
+    import json
+    from dataclasses import replace
+
+    from forge_optim.backends.triton_backend import PingPongPlan, TritonBackend, launch_kwargs, tuning_key
+    from forge_optim.kernels import launch as L
+    from forge_optim.kernels import tuned
+
+    from test_tuned_table import _gpu_adam_job
+
+    M, N, BT = 1024, 2048, 512
+    name = torch.cuda.get_device_name()
+    cfg = PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    batches = [(torch.randn(BT, M, device="cuda", generator=gen).bfloat16(),
+                torch.randn(BT, N, device="cuda", generator=gen).bfloat16()) for _ in range(3)]
+    a, b = _gpu_adam_job(M, N, seed=4), _gpu_adam_job(M, N, seed=4)
+    key = tuning_key(a, batches[0][0], launch_kwargs(a, *batches[0]))
+    monkeypatch.setenv("FORGE_TUNED_DIR", str(tmp_path))
+    (tmp_path / tuned.table_name(name)).write_text(json.dumps(dict(
+        device=name, entries=[dict(key=tuned.key_text(key), config=PP.table_dict(cfg))])))
+    tuned.load_table.cache_clear()
+    try:
+        be, ref = TritonBackend(), TritonBackend(config=L.GPU_TEST_CONFIG)
+
+        def same():
+            torch.cuda.synchronize()
+            assert torch.equal(a.weight.view(torch.int16), b.weight.view(torch.int16))
+            assert all(torch.equal(va.data.view(torch.int16), vb.data.view(torch.int16))
+                       for va, vb in zip(a.states, b.states))
+
+        be.update(a, *batches[0])
+        ref.update(b, *batches[0])
+        assert be.tuner.cache[key] == cfg
+        same()
+        plan = be.plan(a, *batches[0])
+        assert isinstance(plan, PingPongPlan)
+        for step, (dy, x) in enumerate(batches[1:], start=1):  # first run compiles, the second relaunches
+            keys = (1000 + step, 2000 + step)
+            plan.run(dy, x, a.coeffs, 1.0, 3000 + step, keys)
+            ref.update(replace(b, key_weight=3000 + step, key_states=keys), dy, x)
+            same()
+        assert plan.by_class  # the record relaunch uses
+        # a dY whose rows start 2 bytes off 16-byte alignment: not for TMA
+        raw = torch.randn(BT * M + 1, device="cuda", generator=gen).bfloat16()
+        dy_off = raw[1:].view(BT, M)
+        assert not plan.matches(dy_off, batches[0][1])
+        be.update(a, dy_off, batches[0][1])
+        ref.update(b, dy_off, batches[0][1])
+        same()
+        assert not isinstance(be.tuner.cache[key + ("triton",)], PP.PingPongConfig)
+    finally:
+        tuned.load_table.cache_clear()

@@ -9,6 +9,7 @@ import torch.nn as nn
 import forge_optim
 from forge_optim.backends.triton_backend import launch_kwargs, tuning_key
 from forge_optim.kernels import launch as launch_mod
+from forge_optim.kernels import pingpong as PP
 from forge_optim.kernels import tuned
 from forge_optim.kernels.launch import (ELEMENTWISE_CONFIGS, LARGE_BT_CONFIGS, MID_BT_CONFIGS, SMALL_BT_CONFIGS,
                                         KernelConfig, Tuner)
@@ -53,6 +54,15 @@ def test_lookup_answers_only_the_exact_key_on_the_named_device(table_dir, monkey
     assert tuned.lookup(other, "Dev X") is None  # another BT regime
     monkeypatch.setenv("FORGE_TUNED_TABLE", "0")
     assert tuned.lookup(KEY, "Dev X") is None  # turned off
+
+
+def test_lookup_reads_a_pingpong_entry_as_its_config(table_dir):
+    """An entry whose config names the Gluon ping-pong kernel comes back as a PingPongConfig (the backend
+    launches that kernel for the key), not as a Triton KernelConfig."""
+    want = PP.CANDIDATES[-1]
+    _write(table_dir, "Dev X", [dict(key=tuned.key_text(KEY), config=PP.table_dict(want))])
+    got = tuned.lookup(KEY, "Dev X")
+    assert isinstance(got, PP.PingPongConfig) and got == want
 
 
 def test_a_stale_or_foreign_table_is_ignored_with_a_warning(table_dir):
@@ -141,7 +151,10 @@ def test_shipped_table_keys_are_the_keys_the_optimizer_makes(path, monkeypatch):
         assert key[0] == tuple(int(v) for v in e["shape"].split("x"))
         assert key[1] == launch_mod.bt_regime(e["BT"])
         assert key[2:] == made[mode][2:], (e["key"], made[mode])
-        assert KernelConfig(**e["config"]) in ALL_CANDIDATES
+        if e["config"].get("kernel") == "pingpong":  # the Gluon kernel: bf16/fp32 states only
+            assert mode == "bf16" and PP.from_table(e["config"]) in PP.CANDIDATES, e
+        else:
+            assert KernelConfig(**e["config"]) in ALL_CANDIDATES
 
 
 def _gpu_adam_job(M, N, seed=3, step=5):

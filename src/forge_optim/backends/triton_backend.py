@@ -97,7 +97,7 @@ class TritonBackend(Backend):
             return
         kwargs = launch_kwargs(job, dy, x)
         cfg = self._config(job, dy, x, kwargs)
-        launch(config=cfg, **kwargs)
+        run_config(cfg, kwargs)
 
     def update_from_grad(self, job: UpdateJob, grad: torch.Tensor) -> None:
         """The gradient enters as the gradient buffer of a BT=0 fused launch (the rule runs in the same
@@ -144,14 +144,54 @@ class TritonBackend(Backend):
         if not self._can_serve(job, dy, x):
             return None
         kwargs = launch_kwargs(job, dy, x)
-        return LaunchPlan(self._config(job, dy, x, kwargs), kwargs, job, dy, x)
+        cfg = self._config(job, dy, x, kwargs)
+        if _is_pingpong(cfg):
+            return PingPongPlan(cfg, kwargs, job, dy, x)
+        return LaunchPlan(cfg, kwargs, job, dy, x)
 
     # ------------------------------------------------------------------ configs
-    def _config(self, job, dy, x, kwargs) -> KernelConfig:
+    def _config(self, job, dy, x, kwargs):
+        """The KernelConfig to launch, or a pingpong.PingPongConfig where this device's tuned table names
+        the ping-pong kernel for the job's key and that kernel can take these tensors (else the Triton
+        kernel's tuned config for the key)."""
         if self.config is not None:
             return self.config
         key = tuning_key(job, dy, kwargs)
-        return self.tuner.pick(key, dy.shape[0], lambda cfg: tuning_launch(kwargs, cfg), device=kwargs["weight"].device)
+        dev = kwargs["weight"].device
+        cfg = self.tuner.pick(key, dy.shape[0], lambda c: tuning_launch(kwargs, c), device=dev)
+        if _is_pingpong(cfg) and pingpong_unsupported(kwargs) is not None:
+            # e.g. a dY or X slice without 16-byte aligned rows: the Triton kernel, tuned at run time (the
+            # key is one no table holds)
+            cfg = self.tuner.pick(key + ("triton",), dy.shape[0], lambda c: tuning_launch(kwargs, c), device=dev)
+        return cfg
+
+
+def _is_pingpong(cfg) -> bool:
+    return type(cfg).__name__ == "PingPongConfig"
+
+
+_PP_ARGS = ("weight", "dy", "x", "rule_update", "coeffs", "states", "grad_sign", "nonfinite", "stochastic_weight",
+            "stochastic_state", "key_weight", "key_states")
+
+
+def pingpong_unsupported(kwargs: dict) -> str | None:
+    """Why the ping-pong kernel cannot run this launch, or None."""
+    if kwargs.get("mode", fused.MODE_UPDATE) != fused.MODE_UPDATE or kwargs.get("grad_buffer") is not None:
+        return "accumulate mode or a gradient buffer"
+    if kwargs["dy"].shape[0] == 0:
+        return "no tokens (an element-wise update)"
+    from ..kernels import pingpong
+
+    return pingpong.supported(kwargs["weight"], kwargs["dy"], kwargs["x"], kwargs["states"])
+
+
+def run_config(cfg, kwargs: dict):
+    """Launch ``cfg`` (a KernelConfig: the Triton kernel; a PingPongConfig: the Gluon ping-pong kernel)."""
+    if _is_pingpong(cfg):
+        from ..kernels import pingpong
+
+        return pingpong.launch(config=cfg, **{k: kwargs[k] for k in _PP_ARGS})
+    return launch(config=cfg, **kwargs)
 
 
 def tuning_key(job: UpdateJob | None, dy: torch.Tensor, kwargs: dict) -> tuple:
@@ -219,7 +259,7 @@ def tuning_launch(kwargs: dict, cfg: KernelConfig, max_rows: int = TUNE_ROWS):
         kw["grad_buffer"] = kw["grad_buffer"][:rows].clone()
     if kw.get("nonfinite") is not None:
         kw["nonfinite"] = kw["nonfinite"].clone()
-    return lambda: launch(config=cfg, **kw)
+    return lambda: run_config(cfg, kw)
 
 
 def _clone_view(view, rows=None):
@@ -292,3 +332,45 @@ class LaunchPlan:
             args = list(args)
             args[_launch.ARG_DY] = args[_launch.ARG_X] = None  # filled in per launch
             self.by_class[cls] = (compiled, nprogs, args, meta, _launch.StaticLaunch.make(compiled, nprogs, args))
+
+
+class PingPongPlan:
+    """LaunchPlan's counterpart for the Gluon ping-pong kernel (a tuned table named it for this key): the
+    first run goes through ``pingpong.launch`` (compiles, builds the W and state TMA descriptors), later
+    ones only build dY's and X's descriptors and launch the compiled kernel (``pingpong.relaunch``).
+    ``matches`` also asks what the kernel needs of dY and X (16-byte aligned rows); a launch it refuses
+    takes the optimizer's full path, whose backend picks the Triton kernel."""
+
+    def __init__(self, cfg, kwargs: dict, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor):
+        self.cfg = cfg
+        self.kwargs = dict(kwargs, dy=None, x=None)
+        self.slots = tuple(v.spec.slot for v in job.states)
+        self.M, self.N, self.dtype = dy.shape[1], x.shape[1], dy.dtype
+        regime = bt_regime(dy.shape[0])
+        self.bt_lo, self.bt_hi = (0 if regime == 64 else regime // 2, regime)
+        self.device = job.weight.device
+        self.by_class: dict[tuple, tuple] = {}  # (device, BT == 1, BT % 16 == 0) -> pingpong.launch's record
+
+    def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
+        dsh, xsh = dy.shape, x.shape
+        return (len(dsh) == 2 and len(xsh) == 2 and dsh[1] == self.M and xsh[1] == self.N and dsh[0] == xsh[0]
+                and self.bt_lo < dsh[0] <= self.bt_hi and dy.dtype == self.dtype and x.dtype == self.dtype
+                and dy.is_contiguous() and x.is_contiguous() and dy.device == self.device and x.device == self.device
+                and dy.data_ptr() & 15 == 0 and x.data_ptr() & 15 == 0)
+
+    def run(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states: tuple) -> None:
+        from ..kernels import pingpong
+
+        keys = [0, 0, 0]
+        for slot, k in zip(self.slots, key_states):
+            keys[slot] = k
+        dev = torch.cuda.current_device()
+        bt = dy.shape[0]
+        cls = (dev, bt == 1, bt & 15 == 0)
+        rec = self.by_class.get(cls)
+        if rec is not None and not _launch.hooks_active():
+            pingpong.relaunch(rec, dy, x, coeffs, grad_sign, key_weight, keys, dev)
+            return
+        kw = dict(self.kwargs, dy=dy, x=x, coeffs=tuple(coeffs), grad_sign=grad_sign, key_weight=key_weight,
+                  key_states=tuple(keys))
+        self.by_class[cls] = run_config(self.cfg, kw)

@@ -19,10 +19,15 @@ The epilogue computes exactly what ``fused._epi_apply`` computes for MODE_UPDATE
 buffer: the rule's ``triton_update`` (the same @triton.jit function), the non-finite guard and
 count, and bf16 stores by the same hashed stochastic rounding (``fused._to_bf16``) or RNE. States are
 fp32 or bf16; int8 states, gradient buffers and accumulate mode use the Triton kernel.
+
+Where it runs: the Triton backend launches it for a tuning key whose entry in this device's tuned table
+names it (``{"kernel": "pingpong", ...}``, ``table_dict``; ``backends/triton_backend.py``), and falls back to
+the Triton kernel for a launch it cannot take (``supported``). Prepared updates re-launch the compiled
+kernel with new dY/X descriptors only (``relaunch``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from triton.experimental import gluon
@@ -382,6 +387,24 @@ class PingPongConfig:
 
 
 DEFAULT_CONFIG = PingPongConfig()
+# What a tuned table (kernels/tuned/*.json) may name, as {"kernel": "pingpong", **fields}: the schedules
+# benchmarks/pp_sweep.py times. On an H100 (2026-12-07) the 64x128 ones ran 0.80-0.94x of the shipped
+# Triton tile at BT=256-1024 on the 4096-wide and wider Llama-3.1-8B weights, and 1.9x slower on
+# 1024x4096 (8 tiles per program: the pipeline never fills), so the tables name them per shape.
+TABLE_KERNEL = "pingpong"
+CANDIDATES = ([PingPongConfig(BN=64, epi_n=2, stages=6)]
+              + [PingPongConfig(BN=128, epi_n=e, stages=s) for s in (4, 5, 6) for e in (2, 4, 8)]
+              + [PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)])
+
+
+def table_dict(cfg: PingPongConfig) -> dict:
+    """``cfg`` as a tuned table stores it (``from_table`` reads it back)."""
+    return {"kernel": TABLE_KERNEL, **asdict(cfg)}
+
+
+def from_table(d: dict) -> PingPongConfig:
+    fields = {k: v for k, v in d.items() if k != "kernel"}
+    return PingPongConfig(**fields)
 SMEM_LIMIT = 227 * 1024  # per SM; a program gets SMEM_LIMIT // progs_per_sm
 
 
@@ -423,6 +446,10 @@ def supported(weight, dy, x, states, grad_buffer=None) -> str | None:
     return None
 
 
+# positions in ``launch``'s argument list
+ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 10, 18, 19
+
+
 def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None, None), grad_sign=1.0,
            nonfinite=None, stochastic_weight=False, stochastic_state=False, key_weight=0, key_states=(0, 0, 0),
            config: PingPongConfig = DEFAULT_CONFIG):
@@ -451,16 +478,40 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     s_descs = [desc(t, [cfg.BM, sn]) if t is not None else w_desc for t in sdata]
     kinds = [fused.S_NONE if v is None else state_kind(v) for v in states]
     c = [float(v) for v in coeffs]
-    forge_pingpong_kernel[(nprog,)](
-        dy_desc, x_desc, w_desc, s_descs[0], s_descs[1], s_descs[2],
-        nonfinite if nonfinite is not None else weight,
-        M, N, nprog, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
-        _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]),
-        UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
-        W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-        ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), CONSUMER_REGS=cfg.consumer_regs, num_warps=4,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    args = [dy_desc, x_desc, w_desc, s_descs[0], s_descs[1], s_descs[2],
+            nonfinite if nonfinite is not None else weight,
+            M, N, nprog, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
+            _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2])]
+    meta = dict(UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
+                W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
+                BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
+                ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), CONSUMER_REGS=cfg.consumer_regs)
+    compiled = forge_pingpong_kernel[(nprog,)](*args, **meta, num_warps=4,
+                                               **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    # what ran, for a caller that re-launches it with new dY, X, coefficients and keys (``relaunch``):
+    # the arguments in signature order, constexprs included, as Triton's launcher takes them. Not dY's
+    # and X's descriptors: they hold the tensors, which must be freed after backward (a plan per layer
+    # keeping them cost 1.5 GiB of peak on Llama-3.1-8B); their shared-memory layouts are enough.
+    args[ARG_DY] = args[ARG_X] = None
+    return compiled, nprog, args + list(meta.values()), (cfg.BK, cfg.BM, cfg.BN, dy_desc.layout, x_desc.layout)
+
+
+def relaunch(record, dy, x, coeffs, grad_sign: float, key_weight: int, key_states, device: int) -> None:
+    """Launch a kernel ``launch`` compiled again, with new dY, X (same widths, dtypes, and the same BT
+    class as the caller checks), coefficients and keys. The W and state descriptors are reused."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .launch import _i32
+
+    compiled, nprog, args, (bk, bm, bn, dy_layout, x_layout) = record
+    a = list(args)
+    a[ARG_DY] = TensorDescriptor.from_tensor(dy, [bk, bm], dy_layout)
+    a[ARG_X] = TensorDescriptor.from_tensor(x, [bk, bn], x_layout)
+    a[ARG_COEFFS:ARG_GRAD_SIGN] = [float(c) for c in coeffs]
+    a[ARG_GRAD_SIGN] = float(grad_sign)
+    a[ARG_KEYS:ARG_KEYS + 4] = [_i32(key_weight)] + [_i32(k) for k in key_states]
+    compiled.run(nprog, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *a)
 
 
 def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16, state_dtype=torch.bfloat16,

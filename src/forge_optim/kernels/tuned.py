@@ -80,7 +80,8 @@ def enabled() -> bool:
 
 
 def lookup(key: tuple, device_name: str):
-    """The KernelConfig tuned for ``key`` on ``device_name``, or None."""
+    """The config tuned for ``key`` on ``device_name`` (a KernelConfig, or a pingpong.PingPongConfig for an
+    entry whose config names ``"kernel": "pingpong"``), or None."""
     if not enabled():
         return None
     cfg = load_table(device_name).get(key_text(key))
@@ -89,8 +90,12 @@ def lookup(key: tuple, device_name: str):
     from .launch import KernelConfig
 
     try:
+        if cfg.get("kernel") == "pingpong":
+            from . import pingpong
+
+            return pingpong.from_table(cfg)
         return KernelConfig(**cfg)
-    except (TypeError, ValueError) as err:  # a table written by another version of KernelConfig
+    except (TypeError, ValueError, ImportError) as err:  # a table written by another version of KernelConfig
         warnings.warn(f"forge_optim: tuned config {cfg} no longer valid ({err}); tuning at run time",
                       stacklevel=2)
         return None
