@@ -286,6 +286,29 @@ def test_gpu_tune_writes_a_table_that_the_next_update_takes(tmp_path, monkeypatc
     be = TritonBackend()
     be.update(job, dy, x)
     key = tuning_key(job, dy, launch_kwargs(job, dy, x))
-    assert be.tuner.cache[key] == KernelConfig(**entries[0]["config"])
+    assert be.tuner.cache[key] == tuned.lookup(key, name)  # a KernelConfig, or the ping-pong kernel's
     assert "whole weight" in be.tuner.timings[key][0][2]
+    if torch.cuda.get_device_capability()[0] == 9:  # the ping-pong schedules were timed beside the Triton tiles
+        assert any(k.startswith("pingpong") for k in entries[0]["timings_ms"])
     tuned.load_table.cache_clear()
+
+
+def test_tune_adds_the_pingpong_kernel_where_it_can_run(monkeypatch):
+    """bf16 states, 0 < BT <= 2048, Hopper: the ping-pong schedules join the candidates (and are stored in
+    their named table form); int8 states, BT=0, large BT, other GPUs, or FORGE_TUNE_PINGPONG=0: they do not."""
+    from dataclasses import asdict
+
+    from forge_optim.kernels import tune
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert tune.pingpong_candidates(512, "bf16") == PP.CANDIDATES
+    assert tune.pingpong_candidates(2048, "bf16") == PP.CANDIDATES
+    for bt, mode in ((512, "int8"), (0, "bf16"), (4096, "bf16")):
+        assert tune.pingpong_candidates(bt, mode) == []
+    monkeypatch.setenv("FORGE_TUNE_PINGPONG", "0")
+    assert tune.pingpong_candidates(512, "bf16") == []
+    monkeypatch.delenv("FORGE_TUNE_PINGPONG")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert tune.pingpong_candidates(512, "bf16") == []
+    assert tune.table_config(PP.CANDIDATES[0]) == PP.table_dict(PP.CANDIDATES[0])
+    assert tune.table_config(CFG) == asdict(CFG)

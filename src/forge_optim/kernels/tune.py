@@ -54,9 +54,40 @@ def _states(mode: str, M: int, N: int, gen, rule):
     return views
 
 
+# The Gluon ping-pong kernel (kernels/pingpong.py) joins the candidates where it can run: bf16 states (it has
+# no int8 path), 0 < BT <= 2048 (it lost at larger BT on the H100: its mainloop is one 64-row warpgroup at a
+# time), Hopper. FORGE_TUNE_PINGPONG=0 leaves it out.
+PINGPONG_MAX_BT = 2048
+
+
+def pingpong_candidates(bt: int, mode: str, device=None) -> list:
+    import os
+
+    if os.environ.get("FORGE_TUNE_PINGPONG", "1") == "0" or mode != "bf16" or not 0 < bt <= PINGPONG_MAX_BT:
+        return []
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return []
+    try:
+        from . import pingpong
+    except ImportError:  # a Triton without Gluon
+        return []
+    return list(pingpong.CANDIDATES)
+
+
+def table_config(cfg) -> dict:
+    """A candidate as a table stores it: a KernelConfig's fields, or the ping-pong kernel's named form."""
+    if type(cfg).__name__ == "PingPongConfig":
+        from . import pingpong
+
+        return pingpong.table_dict(cfg)
+    return asdict(cfg)
+
+
 def tune_entries(shapes, bts, modes=("bf16", "int8"), *, rep: int = 60, log=print) -> list[dict]:
     """Whole-weight winners for AdamW with bf16 weights, stochastic rounding and the non-finite count
-    (the optimizer's defaults), one entry per (shape, BT, state mode) in tuned.py's table format."""
+    (the optimizer's defaults), one entry per (shape, BT, state mode) in tuned.py's table format. The
+    candidates are the Triton kernel's for the BT, and the ping-pong kernel's where it can run
+    (``pingpong_candidates``); a candidate that cannot launch is never the winner."""
     from triton.testing import do_bench
 
     from .. import precision
@@ -92,7 +123,7 @@ def tune_entries(shapes, bts, modes=("bf16", "int8"), *, rep: int = 60, log=prin
                                 nonfinite=torch.zeros((), dtype=torch.int64, device="cuda"))
                 kwargs = launch_kwargs(job, dy, x)
                 key = tuning_key(job, dy, kwargs)
-                cands = list(candidate_configs(BT))
+                cands = list(candidate_configs(BT)) + pingpong_candidates(BT, mode)
                 times = {c.short(): float("inf") for c in cands}
                 for order in (cands, cands[::-1]):
                     for cfg in order:
@@ -112,7 +143,7 @@ def tune_entries(shapes, bts, modes=("bf16", "int8"), *, rep: int = 60, log=prin
                 if times[best.short()] == float("inf"):
                     raise RuntimeError(f"no config ran for {M}x{N} BT={BT} {mode}")
                 entries.append(dict(key=tuned.key_text(key), shape=f"{M}x{N}", BT=BT, states=mode,
-                                    config=asdict(best), ms=times[best.short()],
+                                    config=table_config(best), ms=times[best.short()],
                                     timings_ms={c.short(): (times[c.short()] if times[c.short()] < float("inf")
                                                             else None) for c in ranked}))
                 nxt = f"   (next {ranked[1].short()} {times[ranked[1].short()]:.4f})" if len(ranked) > 1 else ""
