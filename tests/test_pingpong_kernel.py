@@ -45,6 +45,11 @@ def test_backend_says_why_the_pingpong_kernel_cannot_take_a_launch():
     assert "gradient buffer" in pingpong_unsupported(dict(base, grad_buffer=torch.zeros(64, 64)))
     assert "no tokens" in pingpong_unsupported(dict(base, dy=dy[:0], x=dy[:0]))
     assert pingpong_unsupported(base) == "not on CUDA"
+    from forge_optim.backends.base import StateView
+    from forge_optim.rules.base import StateSpec
+
+    q = StateView(StateSpec("exp_avg", 0), torch.zeros(64, 64, dtype=torch.int8), torch.zeros(64, 1, dtype=torch.bfloat16))
+    assert "int8" in pingpong_unsupported(dict(base, states=(q, None, None)))
 
 
 def test_fit_config_shrinks_until_shared_memory_fits():
@@ -74,6 +79,31 @@ def test_compiles_for_sm90_without_spills(cfg):
     limit = 0 if cfg.progs_per_sm == 1 else 128
     assert use["spill_bytes"] is not None and use["spill_bytes"] <= limit, use
     assert "setmaxnreg" in k.asm["ptx"]  # warp specialization took effect (per-partition registers)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="Triton's bundled ptxas ships with Linux wheels only")
+@pytest.mark.parametrize("cfg", PP.INT8_CONFIGS, ids=lambda c: c.short())
+def test_int8_states_compile_for_sm90(cfg):
+    """int8 m and uint8 v: codes through TMA, scales from global memory, the block absmax over a 64-column
+    slice. Spills are allowed (measured: 24 B at 64x64, 548 B at 64x128), not unbounded."""
+    from forge_optim.kernels.ptxas import ptxas_usage
+
+    k = PP.compile_offline(cfg, torch.bfloat16, torch.int8)
+    use = ptxas_usage(k.asm["ptx"])
+    assert use["spill_bytes"] is not None and use["spill_bytes"] <= 1024, use
+    assert "cvt.rni.sat.s8.f32" in k.asm["ptx"] and "cvt.rni.sat.u8.f32" in k.asm["ptx"]  # the int8 rounding
+
+
+def test_int8_states_need_one_scale_block_per_slice():
+    from forge_optim.backends.base import StateView
+    from forge_optim.rules.base import StateSpec
+
+    w = torch.zeros(128, 128, dtype=torch.bfloat16)
+    q = torch.zeros(128, 128, dtype=torch.int8)
+    sc = torch.zeros(128, 2, dtype=torch.bfloat16)
+    states = (StateView(StateSpec("exp_avg", 0), q, sc), None, None)
+    with pytest.raises(ValueError, match="64 columns"):
+        PP.launch(weight=w, dy=w, x=w, rule_update=None, states=states, config=PP.PingPongConfig(BN=128, epi_n=4))
 
 
 # ----------------------------------------------------------------------------------------- GPU
@@ -221,3 +251,48 @@ def test_gpu_backend_launches_a_tabled_pingpong_config_and_its_plan(tmp_path, mo
         assert not isinstance(be.tuner.cache[key + ("triton",)], PP.PingPongConfig)
     finally:
         tuned.load_table.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the ping-pong kernel needs Hopper (sm_90)")
+@pytest.mark.parametrize("shape", [(1000, 3008, 515), (4096, 4096, 512)])
+@pytest.mark.parametrize("cfg", PP.INT8_CONFIGS, ids=lambda c: c.short())
+def test_gpu_pingpong_int8_writes_the_triton_kernels_bits(shape, cfg):
+    """int8 m / uint8 v with bf16 block scales, bf16 W with stochastic rounding: the codes, the scales and W
+    equal the Triton kernel's bit for bit, and the non-finite count matches."""
+    from forge_optim import precision
+    from forge_optim.backends.base import StateView
+    from forge_optim.kernels import launch as L
+    from forge_optim.rules import RULES
+    from forge_optim.rules.base import StateSpec
+
+    M, N, BT = shape
+    g = torch.Generator(device="cuda").manual_seed(M + 7)
+    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
+    dy[BT // 3, M // 2] = float("inf")  # one non-finite row
+    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
+    W0 = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
+    m0 = precision.quantize(torch.randn(M, N, device="cuda", generator=g) * 1e-2, False)
+    v0 = precision.quantize((torch.randn(M, N, device="cuda", generator=g) * 1e-2).square(), True)
+    rule = RULES["AdamW"]
+    coeffs = rule.padded(rule.coefficients(dict(rule.defaults, lr=1e-3, weight_decay=0.1), {}, 7))
+    out = {}
+    for name in ("pingpong", "triton"):
+        W = W0.clone()
+        (mq, ms), (vq, vs) = [(a.clone().contiguous(), b.clone().contiguous()) for a, b in (m0, v0)]
+        views = (StateView(StateSpec("exp_avg", 0), mq, ms),
+                 StateView(StateSpec("exp_avg_sq", 1, nonnegative=True), vq, vs), None)
+        nf = torch.zeros((), dtype=torch.int64, device="cuda")
+        kw = dict(weight=W, dy=dy, x=x, rule_update=rule.triton_update, coeffs=coeffs, states=views, nonfinite=nf,
+                  stochastic_weight=True, stochastic_state=True, key_weight=101, key_states=(202, 303, 0))
+        if name == "pingpong":
+            assert PP.supported(W, dy, x, views) is None
+            PP.launch(config=cfg, **kw)
+        else:
+            L.launch(config=L.GPU_TEST_CONFIG, **kw)
+        torch.cuda.synchronize()
+        out[name] = (W, mq, ms, vq, vs, int(nf.item()))
+    for a, b in zip(out["pingpong"][:5], out["triton"][:5]):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bfloat16 else a.view(torch.int16),
+                           b.view(torch.uint8) if b.dtype != torch.bfloat16 else b.view(torch.int16))
+    assert out["pingpong"][5] == out["triton"][5] == N

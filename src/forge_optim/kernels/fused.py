@@ -158,15 +158,32 @@ def _raw_value(q, sc, KIND: tl.constexpr, INTERPRET: tl.constexpr, BM: tl.conste
         return q.to(tl.float32)
     else:
         NB: tl.constexpr = BN // 64
-        if KIND == 3 and not INTERPRET:
-            # int8 -> fp32 from the sign-extended int32 (I2FP, on the FP32 pipe): the compiler's
-            # conversion of an int8 is I2F.S8/S16, on the quarter-rate conversion pipe
-            qf = tl.inline_asm_elementwise("cvt.rn.f32.s32 $0, $1;", "=f,r", [q.to(tl.int32)],
-                                           dtype=tl.float32, is_pure=True, pack=1)
-        else:
-            qf = q.to(tl.float32)
-        v = tl.reshape(qf, (BM, NB, 64)) * sc.to(tl.float32)[:, :, None]
+        v = tl.reshape(_code_to_f32(q, KIND, INTERPRET), (BM, NB, 64)) * sc.to(tl.float32)[:, :, None]
         return tl.reshape(v, (BM, BN))
+
+
+@jit
+def _code_to_f32(q, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 value of int8 (KIND 3) or uint8 (KIND 4) codes, before the block scale (the ping-pong kernel
+    calls it too)."""
+    if KIND == 3 and not INTERPRET:
+        # int8 -> fp32 from the sign-extended int32 (I2FP, on the FP32 pipe): the compiler's
+        # conversion of an int8 is I2F.S8/S16, on the quarter-rate conversion pipe
+        return tl.inline_asm_elementwise("cvt.rn.f32.s32 $0, $1;", "=f,r", [q.to(tl.int32)],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return q.to(tl.float32)
+
+
+@jit
+def _block_scale(absmax, qmax, one):
+    """precision._block_scale: a block's scale, absmax / qmax rounded up to bf16 (kept in fp32), and its
+    inverse (0 for an all-zero block), against which the codes are rounded. ``qmax`` and ``one`` are
+    tensors shaped like ``absmax`` holding 127 or 255 and 1.0 (so that Gluon callers give them a layout)."""
+    scale = tl.div_rn(absmax, qmax)
+    scale = ((scale.to(tl.uint32, bitcast=True) + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    inv = tl.where(scale > 0, tl.div_rn(one, scale), 0.0)
+    return scale, inv
 
 
 @jit
@@ -189,11 +206,9 @@ def _store_state(s_ptr, sc_ptr, value, lin, hoff, mask, offs_m, sb_idx, M, NSB, 
             qmax = 255.0
         else:
             qmax = 127.0
-        # precision._block_scale: absmax/qmax rounded up to bf16 (kept in fp32 here), and the codes
-        # against that stored scale
-        scale = tl.div_rn(absmax, tl.full(absmax.shape, qmax, tl.float32))
-        scale = ((scale.to(tl.uint32, bitcast=True) + 0xFFFF) & 0xFFFF0000).to(tl.float32, bitcast=True)
-        inv = tl.where(scale > 0, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale), 0.0)
+        # the codes against the stored scale
+        scale, inv = _block_scale(absmax, tl.full(absmax.shape, qmax, tl.float32),
+                                  tl.full(absmax.shape, 1.0, tl.float32))
         qi = _round_to_code(x * inv[:, :, None], x, KIND, INTERPRET)
         if KIND == 4:
             qs = tl.reshape(qi, (BM, BN)).to(tl.uint8)

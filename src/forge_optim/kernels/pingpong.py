@@ -18,7 +18,9 @@ The ring is consumed in tile order, so the two consumers' mainloops alternate na
 The epilogue computes exactly what ``fused._epi_apply`` computes for MODE_UPDATE without a gradient
 buffer: the rule's ``triton_update`` (the same @triton.jit function), the non-finite guard and
 count, and bf16 stores by the same hashed stochastic rounding (``fused._to_bf16``) or RNE. States are
-fp32 or bf16; int8 states, gradient buffers and accumulate mode use the Triton kernel.
+fp32 or bf16, or int8/uint8 codes with their bf16 block scales (epilogue slices one 64-column block wide;
+compiled offline, not yet validated on a GPU, so the backend does not use it); gradient buffers and accumulate
+mode use the Triton kernel.
 
 Where it runs: the Triton backend launches it for a tuning key whose entry in this device's tuned table
 names it (``{"kernel": "pingpong", ...}``, ``table_dict``; ``backends/triton_backend.py``), and falls back to
@@ -50,7 +52,7 @@ _tile_coords = fused._tile_coords
 @gluon.jit
 def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -80,7 +82,7 @@ def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, 
 @gluon.jit
 def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -114,7 +116,7 @@ def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_
 @gluon.jit
 def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -182,9 +184,14 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
             # dY entry gives NaN, which must not be counted)
             inb = ((row0 + rm) < M)[:, None] & ((col0 + cols) < N)[None, :]
             b = cid * EPI_N + i
+            # int8 states (SN == 64): one scale per row of the slice, at block (col0 + i*SN) / 64
+            srow = row0 + rm
+            soff = srow.to(gl.int64) * NSB + (col0 + i * SN) // 64
+            smask = (srow < M) & ((col0 + i * SN) // 64 < NSB)
             bad = _epilogue_slice(accs[i], hoff, inb, bad, w_bufs.index(b), s0_bufs.index(b), s1_bufs.index(b),
                             s2_bufs.index(b), c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
-                            key_w, key_s0, key_s1, key_s2, UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, SL)
+                            key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, soff, smask,
+                            UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, SL)
         fence_async_shared()
         for i in gl.static_range(EPI_N):
             b = cid * EPI_N + i
@@ -224,6 +231,7 @@ def _split_n(x, FACTOR: gl.constexpr):
 @gluon.jit
 def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf,
                     c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+                    sc0_ptr, sc1_ptr, sc2_ptr, soff, smask,
                     UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
                     S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
                     SL: gl.constexpr):
@@ -231,18 +239,9 @@ def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf,
     g = acc * grad_sign
     w_old = w_buf.load(SL).to(gl.float32)
     zero = gl.zeros_like(g)
-    if S0 != 0:
-        s0_old = s0_buf.load(SL).to(gl.float32)
-    else:
-        s0_old = zero
-    if S1 != 0:
-        s1_old = s1_buf.load(SL).to(gl.float32)
-    else:
-        s1_old = zero
-    if S2 != 0:
-        s2_old = s2_buf.load(SL).to(gl.float32)
-    else:
-        s2_old = zero
+    s0_old = _load_state(s0_buf, sc0_ptr, soff, smask, zero, S0, SL)
+    s1_old = _load_state(s1_buf, sc1_ptr, soff, smask, zero, S1, SL)
+    s2_old = _load_state(s2_buf, sc2_ptr, soff, smask, zero, S2, SL)
     w_new, s0_new, s1_new, s2_new = UPDATE(w_old, g, s0_old, s1_old, s2_old, c0, c1, c2, c3, c4, c5, c6, c7)
     finite = gl.abs(g) < float("inf")  # False for NaN and +-Inf
     w_new = gl.where(finite, w_new, w_old)
@@ -252,52 +251,81 @@ def _epilogue_slice(acc, hoff, inb, bad, w_buf, s0_buf, s1_buf, s2_buf,
         w_buf.store(fused._to_bf16(w_new, hoff, key_w, W_SR, False, 0))
     else:
         w_buf.store(w_new)
-    _store_state(s0_buf, gl.where(finite, s0_new, s0_old), hoff, key_w, S0, S_SR, 1)  # fused._random16
-    _store_state(s1_buf, gl.where(finite, s1_new, s1_old), hoff, key_w, S1, S_SR, 2)
-    _store_state(s2_buf, gl.where(finite, s2_new, s2_old), hoff, key_s2, S2, S_SR, 0)
+    _store_state(s0_buf, gl.where(finite, s0_new, s0_old), hoff, key_w, sc0_ptr, soff, smask, S0, S_SR, 1)  # fused._random16
+    _store_state(s1_buf, gl.where(finite, s1_new, s1_old), hoff, key_w, sc1_ptr, soff, smask, S1, S_SR, 2)
+    _store_state(s2_buf, gl.where(finite, s2_new, s2_old), hoff, key_s2, sc2_ptr, soff, smask, S2, S_SR, 0)
     return bad
 
 
 @gluon.jit
-def _store_state(buf, value, hoff, key, KIND: gl.constexpr, SR: gl.constexpr, DRAW: gl.constexpr):
+def _load_state(buf, sc_ptr, soff, smask, zero, KIND: gl.constexpr, SL: gl.constexpr):
+    """fp32 value of one state's slice: fp32/bf16 from shared memory, or int8/uint8 codes (shared memory)
+    times their row's block scale (global memory; the slice is one 64-column block wide)."""
+    if KIND == 0:
+        return zero
+    elif KIND == 1 or KIND == 2:
+        return buf.load(SL).to(gl.float32)
+    else:
+        sc = gl.load(sc_ptr + soff, mask=smask, other=0.0).to(gl.float32)
+        return fused._code_to_f32(buf.load(SL), KIND, False) * sc[:, None]
+
+
+@gluon.jit
+def _store_state(buf, value, hoff, key, sc_ptr, soff, smask, KIND: gl.constexpr, SR: gl.constexpr,
+                 DRAW: gl.constexpr):
     if KIND == 1:
         buf.store(value)
     elif KIND == 2:
         buf.store(fused._to_bf16(value, hoff, key, SR, False, DRAW))
+    elif KIND == 3 or KIND == 4:
+        # fused._store_state's int8 path on a one-block-wide slice: the row's absmax is the block's (out of
+        # range entries are 0, as there, so no where(mask))
+        absmax = gl.max(gl.abs(value), axis=1)
+        if KIND == 4:
+            qmax = 255.0
+        else:
+            qmax = 127.0
+        scale, inv = fused._block_scale(absmax, gl.full_like(absmax, qmax), gl.full_like(absmax, 1.0))
+        qi = fused._round_to_code(value * inv[:, None], value, KIND, False)
+        if KIND == 4:
+            buf.store(qi.to(gl.uint8))
+        else:
+            buf.store(qi.to(gl.int8))
+        gl.store(sc_ptr + soff, scale.to(gl.bfloat16), mask=smask)
 
 
 @gluon.jit
 def _consumer0(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
     _consume(0, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)
 
 
 @gluon.jit
 def _consumer1(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
     _consume(1, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)
 
 
 @gluon.jit(do_not_specialize=["M", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"])
 def forge_pingpong_kernel(
         dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -337,19 +365,19 @@ def forge_pingpong_kernel(
     gl.warp_specialize([
         (_consumer0, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
         (_consumer1, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
         (_operand_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
         (_state_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
-        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2,
+        c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
@@ -396,6 +424,11 @@ CANDIDATES = ([PingPongConfig(BN=64, epi_n=2, stages=6)]
               + [PingPongConfig(BN=128, epi_n=e, stages=s) for s in (4, 5, 6) for e in (2, 4, 8)]
               + [PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)])
 
+# int8 states need one-scale-block-wide epilogue slices (BN // epi_n == 64). Compiled offline only (spills:
+# 24 B and 548 B at sm_90a); not yet run on a GPU, so no table or tuner names them
+# (tests/test_pingpong_kernel.py::test_gpu_pingpong_int8_writes_the_triton_kernels_bits decides).
+INT8_CONFIGS = [PingPongConfig(BN=64, epi_n=1, stages=6), PingPongConfig(BN=128, epi_n=2, stages=5, group_size=16)]
+
 
 def table_dict(cfg: PingPongConfig) -> dict:
     """``cfg`` as a tuned table stores it (``from_table`` reads it back)."""
@@ -435,8 +468,15 @@ def supported(weight, dy, x, states, grad_buffer=None) -> str | None:
     if weight.dtype not in (torch.bfloat16, torch.float32):
         return "weight must be bf16 or fp32"
     for v in states:
-        if v is not None and (v.quantized or v.data.dtype not in (torch.bfloat16, torch.float32)):
-            return "int8 states not supported"
+        if v is None:
+            continue
+        if v.quantized:
+            if v.data.dtype not in (torch.int8, torch.uint8) or v.scale.dtype != torch.bfloat16:
+                return "int8 states need int8/uint8 codes and bf16 scales"
+            if v.scale.shape != (weight.shape[0], (weight.shape[1] + 63) // 64) or not v.scale.is_contiguous():
+                return "int8 scales must be a contiguous [rows, ceil(cols / 64)] tensor"
+        elif v.data.dtype not in (torch.bfloat16, torch.float32):
+            return "states must be fp32, bf16 or int8"
     for t in (dy, x):
         if t.stride(-1) != 1 or (t.stride(0) * 2) % 16 or t.data_ptr() % 16:
             return "dY/X not TMA-compatible (16-byte aligned rows)"
@@ -453,7 +493,8 @@ ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 10, 18, 19
 def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None, None), grad_sign=1.0,
            nonfinite=None, stochastic_weight=False, stochastic_state=False, key_weight=0, key_states=(0, 0, 0),
            config: PingPongConfig = DEFAULT_CONFIG):
-    """One fused update of ``weight`` (and its fp32/bf16 states) from G = dY^T X; see ``supported``."""
+    """One fused update of ``weight`` (and its fp32/bf16/int8 states) from G = dY^T X; see ``supported``.
+    int8 states need epilogue slices one scale block wide (``BN // epi_n == 64``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .launch import _i32, _sm_count, state_kind
@@ -464,10 +505,15 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     cfg = fit_config(config, weight.element_size(), state_bytes)
     if cfg is None:
         raise ValueError("ping-pong kernel: W and states do not fit in shared memory")
+    sn = cfg.BN // cfg.epi_n
+    quantized = [v is not None and v.quantized for v in states]
+    if any(quantized) and sn != 64:
+        raise ValueError(f"ping-pong kernel: int8 states need epilogue slices of 64 columns (one scale block), "
+                         f"got BN // epi_n = {cfg.BN} // {cfg.epi_n} = {sn}")
     tiles = -(-M // cfg.BM) * -(-N // cfg.BN)
     nprog = max(1, min(tiles, _sm_count(weight.device) * cfg.progs_per_sm))
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-    sn = cfg.BN // cfg.epi_n
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32, torch.int8: gl.int8, torch.uint8: gl.uint8}
+    scales = [v.scale if q else weight for v, q in zip(states, quantized)]
 
     def desc(t, block):
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt[t.dtype]))
@@ -481,7 +527,8 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     args = [dy_desc, x_desc, w_desc, s_descs[0], s_descs[1], s_descs[2],
             nonfinite if nonfinite is not None else weight,
             M, N, nprog, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
-            _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2])]
+            _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]),
+            scales[0], scales[1], scales[2], (N + 63) // 64]
     meta = dict(UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
                 W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
                 BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
@@ -534,14 +581,19 @@ def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16
     if cfg is None:
         raise ValueError("does not fit in shared memory")
     sn = cfg.BN // cfg.epi_n
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
-    tname = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float32: gl.float32, torch.int8: gl.int8, torch.uint8: gl.uint8}
+    tname = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int8: "i8", torch.uint8: "u8"}
 
     def td(dt, block):
         return f"tensordesc<{tname[dt]}[{block[0]}, {block[1]}],{gl.NVMMASharedLayout.get_default_for(block, gdt[dt])!r}>"
 
-    kind = fused.S_BF16 if state_dtype == torch.bfloat16 else fused.S_FP32
-    kinds = [kind if i < n_states else 0 for i in range(3)]
+    if state_dtype == torch.int8:  # AdamW's int8 mode: m signed, v unsigned (precision.quantize)
+        kinds = [fused.S_INT8, fused.S_UINT8, 0][:n_states] + [0] * (3 - n_states)
+    else:
+        kind = fused.S_BF16 if state_dtype == torch.bfloat16 else fused.S_FP32
+        kinds = [kind if i < n_states else 0 for i in range(3)]
+    sdt = {fused.S_INT8: torch.int8, fused.S_UINT8: torch.uint8, fused.S_BF16: torch.bfloat16,
+           fused.S_FP32: torch.float32}
     consts = dict(UPDATE=rl.triton_update, HAS_NF=nonfinite, W_BF16=w_dtype == torch.bfloat16, W_SR=True,
                   S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                   STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
@@ -557,10 +609,12 @@ def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16
         elif n == "w_desc":
             sig[n] = td(w_dtype, [cfg.BM, sn])
         elif n in ("s0_desc", "s1_desc", "s2_desc"):
-            sig[n] = td(state_dtype if kinds[int(n[1])] else w_dtype, [cfg.BM, sn])
+            sig[n] = td(sdt[kinds[int(n[1])]] if kinds[int(n[1])] else w_dtype, [cfg.BM, sn])
         elif n == "nf_ptr":
             sig[n] = "*i64"
-        elif n in ("M", "N", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"):
+        elif n in ("sc0_ptr", "sc1_ptr", "sc2_ptr"):
+            sig[n] = "*bf16"
+        elif n in ("M", "N", "NPROG", "key_w", "key_s0", "key_s1", "key_s2", "NSB"):
             sig[n] = "i32"
         else:
             sig[n] = "fp32"
