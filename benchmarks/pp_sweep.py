@@ -1,8 +1,9 @@
-"""Ping-pong (Gluon) schedules against the shipped Triton tile, bf16 W/m/v, AdamW, at BT=512 on the
-Llama-3.1-8B shapes (do_bench median, same run, rotating operands). Timing only: bits are
-pingpong_check.py's job.
+"""Ping-pong (Gluon) schedules against the shipped Triton tile, bf16 W and bf16 (or, with --modes int8, int8)
+m/v, AdamW, at BT=512 on the Llama-3.1-8B shapes (do_bench median, same run, rotating operands). Timing only:
+bits are pingpong_check.py's and the GPU tests' job. do_bench times each call with the host launch path in the
+way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
-    PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512]
+    PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
 Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
 """
 from __future__ import annotations
@@ -22,12 +23,22 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from bench_kernel import rotating_inputs  # noqa: E402
+from bench_kernel import make_states, rotating_inputs  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import pingpong as PP  # noqa: E402
-from pingpong_check import run_pp, run_triton  # noqa: E402
+from forge_optim.rules import RULES  # noqa: E402
 
 TRITON = ["128x256x64 w16 s3 g8 p1 e8 tma la1", "64x128x64 w4 s3 g8 p3 e8 tma r168 ev"]
+TRITON_INT8 = ["128x256x64 w16 s3 g8 p1 e8 tma la1 ev", "256x128x64 w16 s3 g8 p1 e8 tma la1"]
+RULE = RULES["AdamW"]
+GROUP = dict(RULE.defaults, lr=1e-3, weight_decay=0.1)
+COEFFS = RULE.padded(RULE.coefficients(GROUP, {}, 10))
+
+
+def run(kernel, W, views, dy, x, nf, cfg):
+    kw = dict(weight=W, dy=dy, x=x, rule_update=RULE.triton_update, coeffs=COEFFS, states=tuple(views) + (None,),
+              nonfinite=nf, stochastic_weight=True, stochastic_state=True, key_weight=11, key_states=(22, 33, 0))
+    return PP.launch(config=cfg, **kw) if kernel == "pingpong" else L.launch(config=cfg, **kw)
 
 
 def pp_configs():
@@ -42,6 +53,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,1024x4096,128256x4096")
     ap.add_argument("--bts", default="512")
+    ap.add_argument("--modes", default="bf16", help="state modes: bf16 (pp_configs()), int8 (pingpong.INT8_CONFIGS)")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
@@ -50,35 +62,39 @@ def main():
                command=" ".join([sys.executable] + sys.argv), rows=[])
     path = Path(os.environ["OUT"]) / "pp_sweep.json" if os.environ.get("OUT") else (
         Path(__file__).resolve().parent / "results" / f"pp-sweep-{dt.date.today().isoformat()}.json")
-    for shape in a.shapes.split(","):
+    for shape, BT, mode in [(sh, bt, md) for sh in a.shapes.split(",") for bt in map(int, a.bts.split(","))
+                            for md in a.modes.split(",")]:
         M, N = map(int, shape.split("x"))
-        for BT in map(int, a.bts.split(",")):
-            nxt = rotating_inputs(BT, M, N, gen, 3)
-            W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
-            m = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).bfloat16()
-            v = (torch.randn(M, N, device="cuda", generator=gen) * 1e-3).square().bfloat16()
-            nf = torch.zeros((), dtype=torch.int64, device="cuda")
-            row = dict(shape=shape, BT=BT, ms={})
-            cands = [("triton " + n, lambda c=known[n]: run_triton(W, m, v, *nxt(), nf, c)) for n in TRITON]
-            cands += [(c.short(), lambda c=c: run_pp(W, m, v, *nxt(), nf, c)) for c in pp_configs()]
-            for name, fn in cands:
-                try:
-                    fn()
-                    torch.cuda.synchronize()
-                    row["ms"][name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
-                except Exception as err:  # noqa: BLE001
-                    row["ms"][name] = repr(err)[:200]
-            t = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
-            bt = min(v for k, v in t.items() if k.startswith("triton"))
-            bp_name = min((k for k in t if not k.startswith("triton")), key=t.get)
+        nxt = rotating_inputs(BT, M, N, gen, 3)
+        W = (torch.randn(M, N, device="cuda", generator=gen) * 0.02).bfloat16()
+        views = make_states(mode, M, N, gen, RULE, GROUP)
+        nf = torch.zeros((), dtype=torch.int64, device="cuda")
+        row = dict(shape=shape, BT=BT, states=mode, ms={})
+        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, pp_configs())
+        cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
+        cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
+        for name, fn in cands:
+            try:
+                fn()
+                torch.cuda.synchronize()
+                row["ms"][name] = do_bench(fn, warmup=10, rep=50, return_mode="median")
+            except Exception as err:  # noqa: BLE001
+                row["ms"][name] = repr(err)[:200]
+        t = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
+        bt = min(v for k, v in t.items() if k.startswith("triton"))
+        pp_t = {k: v for k, v in t.items() if not k.startswith("triton")}
+        if pp_t:
+            bp_name = min(pp_t, key=pp_t.get)
             row.update(best_triton_ms=bt, best_pp=bp_name, best_pp_ms=t[bp_name], pp_over_triton=t[bp_name] / bt)
             top = sorted((v, k) for k, v in t.items())[:5]
-            print(f"{shape:>12} BT={BT:<5} triton {bt:.4f}  best pp {t[bp_name]:.4f} ({bp_name})  "
+            print(f"{shape:>12} BT={BT:<5} {mode} triton {bt:.4f}  best pp {t[bp_name]:.4f} ({bp_name})  "
                   f"ratio {t[bp_name] / bt:.3f}  top5 {[(k, round(v, 4)) for v, k in top]}", flush=True)
-            res["rows"].append(row)
-            path.write_text(json.dumps(res, indent=1) + "\n")
-            del nxt, W, m, v
-            torch.cuda.empty_cache()
+        else:
+            print(f"{shape:>12} BT={BT:<5} {mode} triton {bt:.4f}  no ping-pong schedule ran: {row['ms']}", flush=True)
+        res["rows"].append(row)
+        path.write_text(json.dumps(res, indent=1) + "\n")
+        del nxt, W, views
+        torch.cuda.empty_cache()
     print(f"wrote {path}")
 
 
