@@ -310,5 +310,5 @@ def test_tune_adds_the_pingpong_kernel_where_it_can_run(monkeypatch):
     monkeypatch.delenv("FORGE_TUNE_PINGPONG")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert tune.pingpong_candidates(512, "bf16") == []
-    assert tune.table_config(PP.CANDIDATES[0]) == PP.table_dict(PP.CANDIDATES[0])
-    assert tune.table_config(CFG) == asdict(CFG)
+    assert tuned.config_dict(PP.CANDIDATES[0]) == PP.table_dict(PP.CANDIDATES[0])
+    assert tuned.config_dict(CFG) == asdict(CFG)

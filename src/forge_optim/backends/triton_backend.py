@@ -12,7 +12,7 @@ import torch
 
 from .. import precision
 from .._triton import interpreting
-from ..kernels import fused
+from ..kernels import fused, tuned
 from ..kernels import launch as _launch
 from ..kernels.launch import KernelConfig, Tuner, _i32, bt_regime, launch, state_kind
 from .base import Backend, StateView, UpdateJob, grad_rows, no_tokens, row_chunks
@@ -145,7 +145,7 @@ class TritonBackend(Backend):
             return None
         kwargs = launch_kwargs(job, dy, x)
         cfg = self._config(job, dy, x, kwargs)
-        if _is_pingpong(cfg):
+        if tuned.is_pingpong(cfg):
             return PingPongPlan(cfg, kwargs, job, dy, x)
         return LaunchPlan(cfg, kwargs, job, dy, x)
 
@@ -159,15 +159,11 @@ class TritonBackend(Backend):
         key = tuning_key(job, dy, kwargs)
         dev = kwargs["weight"].device
         cfg = self.tuner.pick(key, dy.shape[0], lambda c: tuning_launch(kwargs, c), device=dev)
-        if _is_pingpong(cfg) and pingpong_unsupported(kwargs) is not None:
+        if tuned.is_pingpong(cfg) and pingpong_unsupported(kwargs) is not None:
             # e.g. a dY or X slice without 16-byte aligned rows: the Triton kernel, tuned at run time (the
             # key is one no table holds)
             cfg = self.tuner.pick(key + ("triton",), dy.shape[0], lambda c: tuning_launch(kwargs, c), device=dev)
         return cfg
-
-
-def _is_pingpong(cfg) -> bool:
-    return type(cfg).__name__ == "PingPongConfig"
 
 
 _PP_ARGS = ("weight", "dy", "x", "rule_update", "coeffs", "states", "grad_sign", "nonfinite", "stochastic_weight",
@@ -191,7 +187,7 @@ def pingpong_unsupported(kwargs: dict) -> str | None:
 
 def run_config(cfg, kwargs: dict):
     """Launch ``cfg`` (a KernelConfig: the Triton kernel; a PingPongConfig: the Gluon ping-pong kernel)."""
-    if _is_pingpong(cfg):
+    if tuned.is_pingpong(cfg):
         from ..kernels import pingpong
 
         return pingpong.launch(config=cfg, **{k: kwargs[k] for k in _PP_ARGS})
@@ -338,29 +334,16 @@ class LaunchPlan:
             self.by_class[cls] = (compiled, nprogs, args, meta, _launch.StaticLaunch.make(compiled, nprogs, args))
 
 
-class PingPongPlan:
-    """LaunchPlan's counterpart for the Gluon ping-pong kernel (a tuned table named it for this key): the
-    first run goes through ``pingpong.launch`` (compiles, builds the W and state TMA descriptors), later
-    ones only build dY's and X's descriptors and launch the compiled kernel (``pingpong.relaunch``).
-    ``matches`` also asks what the kernel needs of dY and X (16-byte aligned rows); a launch it refuses
-    takes the optimizer's full path, whose backend picks the Triton kernel."""
-
-    def __init__(self, cfg, kwargs: dict, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor):
-        self.cfg = cfg
-        self.kwargs = dict(kwargs, dy=None, x=None)
-        self.slots = tuple(v.spec.slot for v in job.states)
-        self.M, self.N, self.dtype = dy.shape[1], x.shape[1], dy.dtype
-        regime = bt_regime(dy.shape[0])
-        self.bt_lo, self.bt_hi = (0 if regime == 64 else regime // 2, regime)
-        self.device = job.weight.device
-        self.by_class: dict[tuple, tuple] = {}  # (device, BT == 1, BT % 16 == 0) -> pingpong.launch's record
+class PingPongPlan(LaunchPlan):
+    """LaunchPlan for the Gluon ping-pong kernel (a tuned table named it for this key): the first run goes
+    through ``pingpong.launch`` (compiles, builds the W and state TMA descriptors), later ones only build
+    dY's and X's descriptors and launch the compiled kernel (``pingpong.relaunch``); ``by_class`` holds
+    (device, BT == 1, BT % 16 == 0) -> pingpong.launch's record. ``matches`` also asks what the kernel
+    needs of dY and X (16-byte aligned rows); a launch it refuses takes the optimizer's full path, whose
+    backend picks the Triton kernel."""
 
     def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
-        dsh, xsh = dy.shape, x.shape
-        return (len(dsh) == 2 and len(xsh) == 2 and dsh[1] == self.M and xsh[1] == self.N and dsh[0] == xsh[0]
-                and self.bt_lo < dsh[0] <= self.bt_hi and dy.dtype == self.dtype and x.dtype == self.dtype
-                and dy.is_contiguous() and x.is_contiguous() and dy.device == self.device and x.device == self.device
-                and dy.data_ptr() & 15 == 0 and x.data_ptr() & 15 == 0)
+        return super().matches(dy, x) and dy.data_ptr() & 15 == 0 and x.data_ptr() & 15 == 0
 
     def run(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states: tuple) -> None:
         from ..kernels import pingpong

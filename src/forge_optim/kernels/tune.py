@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -54,8 +53,8 @@ def _states(mode: str, M: int, N: int, gen, rule):
     return views
 
 
-# The Gluon ping-pong kernel (kernels/pingpong.py) joins the candidates where it can run: bf16 states (it has
-# no int8 path), 0 < BT <= 2048 (it lost at larger BT on the H100: its mainloop is one 64-row warpgroup at a
+# The Gluon ping-pong kernel (kernels/pingpong.py) joins the candidates where it can run: bf16 states (its int8
+# path is not yet validated on a GPU), 0 < BT <= 2048 (it lost at larger BT on the H100: its mainloop is one 64-row warpgroup at a
 # time), Hopper. FORGE_TUNE_PINGPONG=0 leaves it out.
 PINGPONG_MAX_BT = 2048
 
@@ -72,15 +71,6 @@ def pingpong_candidates(bt: int, mode: str, device=None) -> list:
     except ImportError:  # a Triton without Gluon
         return []
     return list(pingpong.CANDIDATES)
-
-
-def table_config(cfg) -> dict:
-    """A candidate as a table stores it: a KernelConfig's fields, or the ping-pong kernel's named form."""
-    if type(cfg).__name__ == "PingPongConfig":
-        from . import pingpong
-
-        return pingpong.table_dict(cfg)
-    return asdict(cfg)
 
 
 def tune_entries(shapes, bts, modes=("bf16", "int8"), *, rep: int = 60, log=print) -> list[dict]:
@@ -143,7 +133,7 @@ def tune_entries(shapes, bts, modes=("bf16", "int8"), *, rep: int = 60, log=prin
                 if times[best.short()] == float("inf"):
                     raise RuntimeError(f"no config ran for {M}x{N} BT={BT} {mode}")
                 entries.append(dict(key=tuned.key_text(key), shape=f"{M}x{N}", BT=BT, states=mode,
-                                    config=table_config(best), ms=times[best.short()],
+                                    config=tuned.config_dict(best), ms=times[best.short()],
                                     timings_ms={c.short(): (times[c.short()] if times[c.short()] < float("inf")
                                                             else None) for c in ranked}))
                 nxt = f"   (next {ranked[1].short()} {times[ranked[1].short()]:.4f})" if len(ranked) > 1 else ""

@@ -79,6 +79,24 @@ def enabled() -> bool:
     return os.environ.get("FORGE_TUNED_TABLE", "1") != "0"
 
 
+def is_pingpong(cfg) -> bool:
+    """Whether ``cfg`` is the Gluon ping-pong kernel's config (by type name: importing kernels.pingpong needs
+    Gluon, which the Triton kernel's callers should not pay for)."""
+    return type(cfg).__name__ == "PingPongConfig"
+
+
+def config_dict(cfg) -> dict:
+    """``cfg`` as a table stores it (``lookup`` reads it back): a KernelConfig's fields, or the ping-pong
+    kernel's named form."""
+    if is_pingpong(cfg):
+        from . import pingpong
+
+        return pingpong.table_dict(cfg)
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
 def lookup(key: tuple, device_name: str):
     """The config tuned for ``key`` on ``device_name`` (a KernelConfig, or a pingpong.PingPongConfig for an
     entry whose config names ``"kernel": "pingpong"``), or None."""
