@@ -19,7 +19,7 @@ The epilogue computes exactly what ``fused._epi_apply`` computes for MODE_UPDATE
 buffer: the rule's ``triton_update`` (the same @triton.jit function), the non-finite guard and
 count, and bf16 stores by the same hashed stochastic rounding (``fused._to_bf16``) or RNE. States are
 fp32 or bf16, or int8/uint8 codes with their bf16 block scales (epilogue slices one 64-column block wide;
-compiled offline, not yet validated on a GPU, so the backend does not use it); gradient buffers and accumulate
+bit-identical to the Triton kernel's on an H100, but 1.24-1.27x slower, so the backend does not use it); gradient buffers and accumulate
 mode use the Triton kernel.
 
 Where it runs: the Triton backend launches it for a tuning key whose entry in this device's tuned table
@@ -56,7 +56,7 @@ def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, 
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     """1 warp: the dY and X tiles of every tile of this program, in order, through the ring."""
     pid = gl.program_id(0)
     BT = dy_desc.shape[0]
@@ -86,9 +86,10 @@ def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
-    """1 warp: W and the states of tile j into consumer (j mod 2)'s buffers, as soon as that consumer
-    has stored its previous tile, i.e. while it runs this tile's mainloop."""
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
+    """1 warp: W and the states of this program's tile j into slot (j mod SLOTS), as soon as the tile
+    that used the slot before (j - SLOTS) has been stored. With SLOTS == 2 (one slot per consumer) that is
+    while the consumer runs tile j's mainloop; with 3 or 4 the loads start one or two tiles earlier."""
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BM)
     num_pid_n = gl.cdiv(N, BN)
@@ -97,8 +98,8 @@ def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_
     j = pid * 0
     for tile_id in range(pid, num_tiles, NPROG):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
-        slot = j % 2
-        mbarrier.wait(st_empty.index(slot), ((j // 2) & 1) ^ 1)
+        slot = j % SLOTS
+        mbarrier.wait(st_empty.index(slot), ((j // SLOTS) & 1) ^ 1)
         bar = st_ready.index(slot)
         mbarrier.expect(bar, ST_BYTES)
         for i in gl.static_range(EPI_N):
@@ -120,7 +121,7 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     """One consumer warpgroup: the tiles of this program whose local index is ``cid`` mod 2."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
@@ -170,7 +171,9 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         # ---- epilogue: W and states are already in shared memory (the state loader), results go
         # back through the same buffers and TMA stores. Out-of-range rows/columns: TMA loads zeros
         # (G = 0 there: finite, not counted) and the stores are clipped, so no masks.
-        mbarrier.wait(st_ready.index(cid), n_done & 1)
+        j = 2 * n_done + cid  # this program's local tile index
+        slot = j % SLOTS
+        mbarrier.wait(st_ready.index(slot), (j // SLOTS) & 1)
         row0 = pid_m * BM
         col0 = pid_n * BN
         base = (row0.to(gl.int64) * N + col0).to(gl.uint32)  # hash input: linear offset mod 2**32
@@ -183,7 +186,7 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
             # in range: only for the non-finite count (outside, a zero X column times an infinite
             # dY entry gives NaN, which must not be counted)
             inb = ((row0 + rm) < M)[:, None] & ((col0 + cols) < N)[None, :]
-            b = cid * EPI_N + i
+            b = slot * EPI_N + i
             # int8 states (SN == 64): one scale per row of the slice, at block (col0 + i*SN) / 64
             srow = row0 + rm
             soff = srow.to(gl.int64) * NSB + (col0 + i * SN) // 64
@@ -194,7 +197,7 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
                             UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, SL)
         fence_async_shared()
         for i in gl.static_range(EPI_N):
-            b = cid * EPI_N + i
+            b = slot * EPI_N + i
             coord = [row0, col0 + i * SN]
             tma.async_copy_shared_to_global(w_desc, coord, w_bufs.index(b))
             if S0 != 0:
@@ -204,7 +207,7 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
             if S2 != 0:
                 tma.async_copy_shared_to_global(s2_desc, coord, s2_bufs.index(b))
         tma.store_wait(0)  # the buffers have been read out: the state loader may refill them
-        mbarrier.arrive(st_empty.index(cid), count=1)
+        mbarrier.arrive(st_empty.index(slot), count=1)
         n_done += 1
     if HAS_NF:
         nbad = gl.sum(gl.sum(bad, axis=1), axis=0)
@@ -301,11 +304,11 @@ def _consumer0(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_buf
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     _consume(0, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)
 
 
 @gluon.jit
@@ -315,11 +318,11 @@ def _consumer1(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_buf
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     _consume(1, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)
 
 
 @gluon.jit(do_not_specialize=["M", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"])
@@ -329,34 +332,36 @@ def forge_pingpong_kernel(
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr):
     SN: gl.constexpr = BN // EPI_N
     a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BM], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BK, BN], x_desc.layout)
-    # two slots (one per consumer) of EPI_N column slices of W and of each state
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [2 * EPI_N, BM, SN], w_desc.layout)
+    # SLOTS slots (tiles in flight) of EPI_N column slices of W and of each state
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS * EPI_N, BM, SN], w_desc.layout)
     if S0 != 0:
-        s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [2 * EPI_N, BM, SN], s0_desc.layout)
+        s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [SLOTS * EPI_N, BM, SN], s0_desc.layout)
     else:
         s0_bufs = w_bufs  # never touched
     if S1 != 0:
-        s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [2 * EPI_N, BM, SN], s1_desc.layout)
+        s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [SLOTS * EPI_N, BM, SN], s1_desc.layout)
     else:
         s1_bufs = w_bufs
     if S2 != 0:
-        s2_bufs = gl.allocate_shared_memory(s2_desc.dtype, [2 * EPI_N, BM, SN], s2_desc.layout)
+        s2_bufs = gl.allocate_shared_memory(s2_desc.dtype, [SLOTS * EPI_N, BM, SN], s2_desc.layout)
     else:
         s2_bufs = w_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    st_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    st_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    st_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
+    for i in gl.static_range(SLOTS):
         mbarrier.init(st_ready.index(i), count=1)
         mbarrier.init(st_empty.index(i), count=1)
     fence_async_shared()
@@ -366,19 +371,19 @@ def forge_pingpong_kernel(
         (_consumer0, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_consumer1, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_operand_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_state_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
@@ -400,18 +405,23 @@ class PingPongConfig:
     consumer_regs: int = 232
     progs_per_sm: int = 1  # 2: two programs per SM (more warps to hide the epilogue's ALU latency)
     maxnreg: int = 0  # register cap per thread of the whole program (needed for 2 programs per SM)
+    # tiles whose W and states are in shared memory at once. 2: one per consumer, so a consumer's next
+    # tile is loaded only after its last one is stored; 3-4 start those loads a tile or two earlier
+    state_slots: int = 2
 
     def short(self) -> str:
         return (f"pingpong {self.BM}x{self.BN}x{self.BK} s{self.stages} g{self.group_size} e{self.epi_n} "
-                f"r{self.consumer_regs} p{self.progs_per_sm}{f' m{self.maxnreg}' if self.maxnreg else ''}")
+                f"r{self.consumer_regs} p{self.progs_per_sm}{f' m{self.maxnreg}' if self.maxnreg else ''}"
+                f"{f' t{self.state_slots}' if self.state_slots != 2 else ''}")
 
     def tile_bytes(self, w_bytes: int, state_bytes: int) -> int:
         """W and the states of one tile (state_bytes: bytes per element, summed over the states)."""
         return self.BM * self.BN * (w_bytes + state_bytes)
 
     def smem_bytes(self, w_bytes: int, state_bytes: int) -> int:
-        """Shared memory: the dY/X ring plus two slots (one per consumer) of a tile's W and states."""
-        return self.stages * self.BK * (self.BM + self.BN) * 2 + 2 * self.tile_bytes(w_bytes, state_bytes) + 1024
+        """Shared memory: the dY/X ring plus ``state_slots`` slots of a tile's W and states."""
+        return (self.stages * self.BK * (self.BM + self.BN) * 2 + self.state_slots * self.tile_bytes(w_bytes, state_bytes)
+                + 1024)
 
 
 DEFAULT_CONFIG = PingPongConfig()
@@ -424,9 +434,9 @@ CANDIDATES = ([PingPongConfig(BN=64, epi_n=2, stages=6)]
               + [PingPongConfig(BN=128, epi_n=e, stages=s) for s in (4, 5, 6) for e in (2, 4, 8)]
               + [PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)])
 
-# int8 states need one-scale-block-wide epilogue slices (BN // epi_n == 64). Compiled offline only (spills:
-# 24 B and 548 B at sm_90a); not yet run on a GPU, so no table or tuner names them
-# (tests/test_pingpong_kernel.py::test_gpu_pingpong_int8_writes_the_triton_kernels_bits decides).
+# int8 states need one-scale-block-wide epilogue slices (BN // epi_n == 64); spills 24 B and 548 B at sm_90a.
+# Bit-identical to the Triton kernel on an H100 (test_gpu_pingpong_int8_writes_the_triton_kernels_bits) but
+# 1.24-1.27x slower than its int8 tile at BT=512 (NOTES thirtieth session), so no table or tuner names them.
 INT8_CONFIGS = [PingPongConfig(BN=64, epi_n=1, stages=6), PingPongConfig(BN=128, epi_n=2, stages=5, group_size=16)]
 
 
@@ -442,10 +452,13 @@ SMEM_LIMIT = 227 * 1024  # per SM; a program gets SMEM_LIMIT // progs_per_sm
 
 
 def fit_config(cfg: PingPongConfig, w_bytes: int, state_bytes: int) -> PingPongConfig | None:
-    """cfg with fewer ring stages (down to 2), then half-width tiles, until shared memory fits."""
+    """cfg with fewer ring stages (down to 2), then fewer state slots (down to 2), then half-width tiles,
+    until shared memory fits."""
     while cfg.smem_bytes(w_bytes, state_bytes) > SMEM_LIMIT // cfg.progs_per_sm:
         if cfg.stages > 2:
             cfg = replace(cfg, stages=cfg.stages - 1)
+        elif cfg.state_slots > 2:
+            cfg = replace(cfg, state_slots=cfg.state_slots - 1)
         elif cfg.BN > 64:
             cfg = replace(cfg, BN=cfg.BN // 2, epi_n=max(1, cfg.epi_n // 2))
         else:
@@ -532,7 +545,8 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     meta = dict(UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
                 W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
                 BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), CONSUMER_REGS=cfg.consumer_regs)
+                ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), SLOTS=cfg.state_slots,
+                CONSUMER_REGS=cfg.consumer_regs)
     compiled = forge_pingpong_kernel[(nprog,)](*args, **meta, num_warps=4,
                                                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     # what ran, for a caller that re-launches it with new dY, X, coefficients and keys (``relaunch``):
@@ -597,7 +611,8 @@ def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16
     consts = dict(UPDATE=rl.triton_update, HAS_NF=nonfinite, W_BF16=w_dtype == torch.bfloat16, W_SR=True,
                   S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                   STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                  ST_BYTES=cfg.tile_bytes(wb, n_states * sb), CONSUMER_REGS=cfg.consumer_regs)
+                  ST_BYTES=cfg.tile_bytes(wb, n_states * sb), SLOTS=cfg.state_slots,
+                  CONSUMER_REGS=cfg.consumer_regs)
     sig = {}
     for n in names:
         if n in consts:
