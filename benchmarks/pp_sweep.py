@@ -70,7 +70,6 @@ def main():
     ap.add_argument("--modes", default="bf16", help="state modes: bf16 (pp_configs()), int8 (pingpong.INT8_CONFIGS)")
     ap.add_argument("--set", default="tabled", choices=["tabled", "ring"],
                     help="bf16 ping-pong schedules: tabled (pp_configs()) or ring (ring_configs())")
-    ap.add_argument("--only", default="", help="with --set ring: the indices of ring_configs() to time (e.g. 0,2,5)")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
@@ -87,8 +86,7 @@ def main():
         views = make_states(mode, M, N, gen, RULE, GROUP)
         nf = torch.zeros((), dtype=torch.int64, device="cuda")
         row = dict(shape=shape, BT=BT, states=mode, ms={})
-        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, ([c for i, c in enumerate(ring_configs()) if not a.only or str(i) in a.only.split(",")]
-                                      if a.set == "ring" else pp_configs()))
+        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, ring_configs() if a.set == "ring" else pp_configs())
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
         for name, fn in cands:
