@@ -4,7 +4,7 @@ bits are pingpong_check.py's and the GPU tests' job. do_bench times each call wi
 way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
     PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
-        [--set tabled|ring]
+        [--set tabled|slots]
 Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
 """
 from __future__ import annotations
@@ -50,17 +50,16 @@ def pp_configs():
     return out
 
 
-def ring_configs():
-    """Ping-pong schedules by the length of the state loader's ring of epilogue slices (state_slices, NOTES
-    thirtieth session) traded against dY/X ring stages, beside the tabled ones (0: two tiles of slices)."""
+def slot_configs():
+    """Ping-pong schedules with 3-6 tiles' W/states in shared memory (state_slots, NOTES thirtieth session)
+    beside the tabled 2-slot ones, the dY/X ring made shorter to make room."""
     C = PP.PingPongConfig
-    return [C(BN=128, epi_n=4, stages=5, group_size=16), C(BN=128, epi_n=4, stages=5),
-            C(BN=128, epi_n=4, stages=6, state_slices=6), C(BN=128, epi_n=4, stages=6, group_size=16, state_slices=6),
-            C(BN=128, epi_n=4, stages=7, state_slices=4), C(BN=128, epi_n=4, stages=7, group_size=16, state_slices=4),
-            C(BN=128, epi_n=4, stages=4, state_slices=10), C(BN=128, epi_n=8, stages=7, state_slices=8),
-            C(BN=128, epi_n=8, stages=8, state_slices=4),
-            C(BN=64, epi_n=2, stages=6), C(BN=64, epi_n=2, stages=6, state_slices=8),
-            C(BN=64, epi_n=2, stages=8, state_slices=6), C(BN=64, epi_n=2, stages=10, state_slices=4)]
+    return [C(BN=128, epi_n=4, stages=5, group_size=16), C(BN=128, epi_n=4, stages=6), C(BN=64, epi_n=2, stages=6),
+            C(BN=128, epi_n=4, stages=3, state_slots=3), C(BN=128, epi_n=4, stages=3, group_size=16, state_slots=3),
+            C(BN=128, epi_n=8, stages=3, state_slots=3), C(BN=128, epi_n=4, stages=2, state_slots=3),
+            C(BN=64, epi_n=2, stages=6, state_slots=4), C(BN=64, epi_n=2, stages=5, state_slots=5),
+            C(BN=64, epi_n=2, stages=6, state_slots=5), C(BN=64, epi_n=2, stages=4, state_slots=6),
+            C(BN=64, epi_n=2, stages=3, state_slots=6)]
 
 
 def main():
@@ -68,8 +67,8 @@ def main():
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,1024x4096,128256x4096")
     ap.add_argument("--bts", default="512")
     ap.add_argument("--modes", default="bf16", help="state modes: bf16 (pp_configs()), int8 (pingpong.INT8_CONFIGS)")
-    ap.add_argument("--set", default="tabled", choices=["tabled", "ring"],
-                    help="bf16 ping-pong schedules: tabled (pp_configs()) or ring (ring_configs())")
+    ap.add_argument("--set", default="tabled", choices=["tabled", "slots"],
+                    help="bf16 ping-pong schedules: tabled (pp_configs()) or slots (slot_configs())")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
@@ -86,7 +85,7 @@ def main():
         views = make_states(mode, M, N, gen, RULE, GROUP)
         nf = torch.zeros((), dtype=torch.int64, device="cuda")
         row = dict(shape=shape, BT=BT, states=mode, ms={})
-        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, ring_configs() if a.set == "ring" else pp_configs())
+        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, slot_configs() if a.set == "slots" else pp_configs())
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
         for name, fn in cands:

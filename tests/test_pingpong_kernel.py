@@ -24,9 +24,9 @@ CPU_CONFIGS = [PP.PingPongConfig(BN=64, epi_n=2, stages=6),
                PP.PingPongConfig(BN=64, epi_n=4, stages=3, consumer_regs=112, progs_per_sm=2, maxnreg=80),
                # a 64x128 schedule the H100 table names (kernels/tuned/nvidia_h100_80gb_hbm3.json)
                PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16),
-               # a state-slice ring shorter than a tile's slices (it wraps inside an epilogue) and one of four tiles
-               PP.PingPongConfig(BN=128, epi_n=4, stages=7, state_slices=3),
-               PP.PingPongConfig(BN=64, epi_n=2, stages=6, state_slices=8)]
+               # three and four tiles' W/states in shared memory (a slot is used by both consumers in turn)
+               PP.PingPongConfig(BN=128, epi_n=4, stages=3, state_slots=3),
+               PP.PingPongConfig(BN=64, epi_n=2, stages=6, state_slots=4)]
 
 
 def test_table_form_round_trips_and_names_the_kernel():
@@ -61,10 +61,9 @@ def test_fit_config_shrinks_until_shared_memory_fits():
     assert bf16 == cfg and bf16.smem_bytes(2, 4) <= PP.SMEM_LIMIT
     fp32 = PP.fit_config(cfg, 4, 8)  # fp32 W and states: fewer stages, then half-width tiles
     assert fp32 is not None and fp32.smem_bytes(4, 8) <= PP.SMEM_LIMIT and fp32.BN == 64
-    assert cfg.slices() == 8 and cfg.smem_bytes(2, 4) == 4 * 64 * 192 * 2 + 8 * 64 * 32 * 6 + 1024
-    ring = PP.fit_config(PP.PingPongConfig(BN=128, epi_n=4, stages=5, state_slices=16), 2, 4)
-    assert (ring.stages, ring.state_slices, ring.BN) == (2, 14, 128)  # stages first, then slices, then width
-    assert ring.smem_bytes(2, 4) <= PP.SMEM_LIMIT
+    slots = PP.fit_config(PP.PingPongConfig(BN=128, epi_n=4, stages=5, state_slots=4), 2, 4)
+    assert (slots.stages, slots.state_slots, slots.BN) == (2, 3, 128)  # stages first, then slots, then width
+    assert slots.smem_bytes(2, 4) <= PP.SMEM_LIMIT
     two = PP.PingPongConfig(BN=64, epi_n=2, stages=3, progs_per_sm=2)
     assert PP.fit_config(two, 4, 8) is None  # two programs per SM cannot hold fp32 W and states
 

@@ -56,7 +56,7 @@ def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, 
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLICES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     """1 warp: the dY and X tiles of every tile of this program, in order, through the ring."""
     pid = gl.program_id(0)
     BT = dy_desc.shape[0]
@@ -86,33 +86,32 @@ def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLICES: gl.constexpr):
-    """1 warp: W and the states of every epilogue slice of this program, in order (slice q = local tile j,
-    column slice i: q = j * EPI_N + i), into a ring of SLICES buffers, each as soon as the slice that used its
-    buffer before (q - SLICES) has been stored. The two consumers' epilogues take turns, so they read the ring
-    in order too. SLICES == 2 * EPI_N holds two tiles, as many as the consumers work on."""
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
+    """1 warp: W and the states of this program's tile j into slot (j mod SLOTS), as soon as the tile
+    that used the slot before (j - SLOTS) has been stored. With SLOTS == 2 (one slot per consumer) that is
+    while the consumer runs tile j's mainloop; with 3 or 4 the loads start one or two tiles earlier."""
     pid = gl.program_id(0)
     num_pid_m = gl.cdiv(M, BM)
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     SN: gl.constexpr = BN // EPI_N
-    q = pid * 0
+    j = pid * 0
     for tile_id in range(pid, num_tiles, NPROG):
         pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
+        slot = j % SLOTS
+        mbarrier.wait(st_empty.index(slot), ((j // SLOTS) & 1) ^ 1)
+        bar = st_ready.index(slot)
+        mbarrier.expect(bar, ST_BYTES)
         for i in gl.static_range(EPI_N):
-            b = q % SLICES
-            mbarrier.wait(st_empty.index(b), ((q // SLICES) & 1) ^ 1)
-            bar = st_ready.index(b)
-            mbarrier.expect(bar, ST_BYTES)
             coord = [pid_m * BM, pid_n * BN + i * SN]
-            tma.async_copy_global_to_shared(w_desc, coord, bar, w_bufs.index(b))
+            tma.async_copy_global_to_shared(w_desc, coord, bar, w_bufs.index(slot * EPI_N + i))
             if S0 != 0:
-                tma.async_copy_global_to_shared(s0_desc, coord, bar, s0_bufs.index(b))
+                tma.async_copy_global_to_shared(s0_desc, coord, bar, s0_bufs.index(slot * EPI_N + i))
             if S1 != 0:
-                tma.async_copy_global_to_shared(s1_desc, coord, bar, s1_bufs.index(b))
+                tma.async_copy_global_to_shared(s1_desc, coord, bar, s1_bufs.index(slot * EPI_N + i))
             if S2 != 0:
-                tma.async_copy_global_to_shared(s2_desc, coord, bar, s2_bufs.index(b))
-            q += 1
+                tma.async_copy_global_to_shared(s2_desc, coord, bar, s2_bufs.index(slot * EPI_N + i))
+        j += 1
 
 
 @gluon.jit
@@ -122,7 +121,7 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLICES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     """One consumer warpgroup: the tiles of this program whose local index is ``cid`` mod 2."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
@@ -133,7 +132,6 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     SN: gl.constexpr = BN // EPI_N
-    NSTORE: gl.constexpr = 1 + (S0 != 0) + (S1 != 0) + (S2 != 0)  # TMA stores per slice: W and the states
     c = cid * k_tiles
     n_done = pid * 0  # tiles this consumer has done (a runtime value: a literal 0 is a constexpr)
     # the layout of an epilogue slice, and a per-thread count of non-finite gradient elements that
@@ -170,12 +168,12 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         mbarrier.arrive(order.index(1 - cid), count=1)  # the other consumer's mainloop may start
         c += k_tiles  # skip the other consumer's tile in the ring
 
-        # ---- epilogue, one column slice at a time: W and states are already in shared memory (the state
-        # loader's ring), results go back through the same buffer and TMA stores. Out-of-range rows/columns:
-        # TMA loads zeros (G = 0 there: finite, not counted) and the stores are clipped, so no masks. A
-        # slice's buffer goes back to the loader once its stores have read it, checked one slice late so
-        # the stores of a slice overlap the math of the next.
-        q0 = (2 * n_done + cid) * EPI_N  # ring position of this tile's first slice
+        # ---- epilogue: W and states are already in shared memory (the state loader), results go
+        # back through the same buffers and TMA stores. Out-of-range rows/columns: TMA loads zeros
+        # (G = 0 there: finite, not counted) and the stores are clipped, so no masks.
+        j = 2 * n_done + cid  # this program's local tile index
+        slot = j % SLOTS
+        mbarrier.wait(st_ready.index(slot), (j // SLOTS) & 1)
         row0 = pid_m * BM
         col0 = pid_n * BN
         base = (row0.to(gl.int64) * N + col0).to(gl.uint32)  # hash input: linear offset mod 2**32
@@ -183,13 +181,12 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         rm = gl.arange(0, BM, layout=gl.SliceLayout(1, SL))
         rn = gl.arange(0, SN, layout=gl.SliceLayout(0, SL))
         for i in gl.static_range(EPI_N):
-            b = (q0 + i) % SLICES
-            mbarrier.wait(st_ready.index(b), ((q0 + i) // SLICES) & 1)
             cols = i * SN + rn
             hoff = (rm[:, None] * N + cols[None, :]).to(gl.uint32) + base
             # in range: only for the non-finite count (outside, a zero X column times an infinite
             # dY entry gives NaN, which must not be counted)
             inb = ((row0 + rm) < M)[:, None] & ((col0 + cols) < N)[None, :]
+            b = slot * EPI_N + i
             # int8 states (SN == 64): one scale per row of the slice, at block (col0 + i*SN) / 64
             srow = row0 + rm
             soff = srow.to(gl.int64) * NSB + (col0 + i * SN) // 64
@@ -198,7 +195,9 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
                             s2_bufs.index(b), c0, c1, c2, c3, c4, c5, c6, c7, grad_sign,
                             key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, soff, smask,
                             UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, SL)
-            fence_async_shared()
+        fence_async_shared()
+        for i in gl.static_range(EPI_N):
+            b = slot * EPI_N + i
             coord = [row0, col0 + i * SN]
             tma.async_copy_shared_to_global(w_desc, coord, w_bufs.index(b))
             if S0 != 0:
@@ -207,13 +206,8 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
                 tma.async_copy_shared_to_global(s1_desc, coord, s1_bufs.index(b))
             if S2 != 0:
                 tma.async_copy_shared_to_global(s2_desc, coord, s2_bufs.index(b))
-            if i > 0:
-                # one bulk group per store: at most this slice's still reading, so the previous slice's
-                # buffer is free
-                tma.store_wait(NSTORE)
-                mbarrier.arrive(st_empty.index((q0 + i - 1) % SLICES), count=1)
-        tma.store_wait(0)
-        mbarrier.arrive(st_empty.index((q0 + EPI_N - 1) % SLICES), count=1)
+        tma.store_wait(0)  # the buffers have been read out: the state loader may refill them
+        mbarrier.arrive(st_empty.index(slot), count=1)
         n_done += 1
     if HAS_NF:
         nbad = gl.sum(gl.sum(bad, axis=1), axis=0)
@@ -310,11 +304,11 @@ def _consumer0(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_buf
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLICES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     _consume(0, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLICES)
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)
 
 
 @gluon.jit
@@ -324,11 +318,11 @@ def _consumer1(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_buf
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLICES: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     _consume(1, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLICES)
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)
 
 
 @gluon.jit(do_not_specialize=["M", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"])
@@ -338,36 +332,36 @@ def forge_pingpong_kernel(
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLICES: gl.constexpr,
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
         CONSUMER_REGS: gl.constexpr):
     SN: gl.constexpr = BN // EPI_N
     a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BM], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BK, BN], x_desc.layout)
-    # a ring of SLICES epilogue slices ([BM, SN] column slices of a tile) of W and of each state
-    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLICES, BM, SN], w_desc.layout)
+    # SLOTS slots (tiles in flight) of EPI_N column slices of W and of each state
+    w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS * EPI_N, BM, SN], w_desc.layout)
     if S0 != 0:
-        s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [SLICES, BM, SN], s0_desc.layout)
+        s0_bufs = gl.allocate_shared_memory(s0_desc.dtype, [SLOTS * EPI_N, BM, SN], s0_desc.layout)
     else:
         s0_bufs = w_bufs  # never touched
     if S1 != 0:
-        s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [SLICES, BM, SN], s1_desc.layout)
+        s1_bufs = gl.allocate_shared_memory(s1_desc.dtype, [SLOTS * EPI_N, BM, SN], s1_desc.layout)
     else:
         s1_bufs = w_bufs
     if S2 != 0:
-        s2_bufs = gl.allocate_shared_memory(s2_desc.dtype, [SLICES, BM, SN], s2_desc.layout)
+        s2_bufs = gl.allocate_shared_memory(s2_desc.dtype, [SLOTS * EPI_N, BM, SN], s2_desc.layout)
     else:
         s2_bufs = w_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    st_ready = gl.allocate_shared_memory(gl.int64, [SLICES, 1], mbarrier.MBarrierLayout())
-    st_empty = gl.allocate_shared_memory(gl.int64, [SLICES, 1], mbarrier.MBarrierLayout())
+    st_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    st_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
-    for i in gl.static_range(SLICES):
+    for i in gl.static_range(SLOTS):
         mbarrier.init(st_ready.index(i), count=1)
         mbarrier.init(st_empty.index(i), count=1)
     fence_async_shared()
@@ -377,19 +371,19 @@ def forge_pingpong_kernel(
         (_consumer0, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLICES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_consumer1, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLICES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_operand_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLICES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_state_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
         ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLICES)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
@@ -411,26 +405,23 @@ class PingPongConfig:
     consumer_regs: int = 232
     progs_per_sm: int = 1  # 2: two programs per SM (more warps to hide the epilogue's ALU latency)
     maxnreg: int = 0  # register cap per thread of the whole program (needed for 2 programs per SM)
-    # epilogue slices ([BM, BN / epi_n] of W and the states) in the state loader's shared-memory ring;
-    # 0: 2 * epi_n, two tiles. Fewer leave room for more dY/X stages, more start the loads earlier
-    state_slices: int = 0
-
-    def slices(self) -> int:
-        return self.state_slices or 2 * self.epi_n
+    # tiles whose W and states are in shared memory at once. 2: one per consumer, so a consumer's next
+    # tile is loaded only after its last one is stored; 3-4 start those loads a tile or two earlier
+    state_slots: int = 2
 
     def short(self) -> str:
         return (f"pingpong {self.BM}x{self.BN}x{self.BK} s{self.stages} g{self.group_size} e{self.epi_n} "
                 f"r{self.consumer_regs} p{self.progs_per_sm}{f' m{self.maxnreg}' if self.maxnreg else ''}"
-                f"{f' q{self.state_slices}' if self.state_slices else ''}")
+                f"{f' t{self.state_slots}' if self.state_slots != 2 else ''}")
 
     def tile_bytes(self, w_bytes: int, state_bytes: int) -> int:
         """W and the states of one tile (state_bytes: bytes per element, summed over the states)."""
         return self.BM * self.BN * (w_bytes + state_bytes)
 
     def smem_bytes(self, w_bytes: int, state_bytes: int) -> int:
-        """Shared memory: the dY/X ring plus the ring of epilogue slices of W and the states."""
-        return (self.stages * self.BK * (self.BM + self.BN) * 2
-                + self.slices() * self.tile_bytes(w_bytes, state_bytes) // self.epi_n + 1024)
+        """Shared memory: the dY/X ring plus ``state_slots`` slots of a tile's W and states."""
+        return (self.stages * self.BK * (self.BM + self.BN) * 2 + self.state_slots * self.tile_bytes(w_bytes, state_bytes)
+                + 1024)
 
 
 DEFAULT_CONFIG = PingPongConfig()
@@ -461,13 +452,13 @@ SMEM_LIMIT = 227 * 1024  # per SM; a program gets SMEM_LIMIT // progs_per_sm
 
 
 def fit_config(cfg: PingPongConfig, w_bytes: int, state_bytes: int) -> PingPongConfig | None:
-    """cfg with fewer ring stages (down to 2), then (where it names its state slices) fewer slices (down to
-    2), then half-width tiles, until shared memory fits."""
+    """cfg with fewer ring stages (down to 2), then fewer state slots (down to 2), then half-width tiles,
+    until shared memory fits."""
     while cfg.smem_bytes(w_bytes, state_bytes) > SMEM_LIMIT // cfg.progs_per_sm:
         if cfg.stages > 2:
             cfg = replace(cfg, stages=cfg.stages - 1)
-        elif cfg.state_slices > 2:
-            cfg = replace(cfg, state_slices=cfg.state_slices - 1)
+        elif cfg.state_slots > 2:
+            cfg = replace(cfg, state_slots=cfg.state_slots - 1)
         elif cfg.BN > 64:
             cfg = replace(cfg, BN=cfg.BN // 2, epi_n=max(1, cfg.epi_n // 2))
         else:
@@ -554,7 +545,7 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     meta = dict(UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
                 W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
                 BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes) // cfg.epi_n, SLICES=cfg.slices(),
+                ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), SLOTS=cfg.state_slots,
                 CONSUMER_REGS=cfg.consumer_regs)
     compiled = forge_pingpong_kernel[(nprog,)](*args, **meta, num_warps=4,
                                                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
@@ -620,7 +611,7 @@ def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16
     consts = dict(UPDATE=rl.triton_update, HAS_NF=nonfinite, W_BF16=w_dtype == torch.bfloat16, W_SR=True,
                   S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
                   STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                  ST_BYTES=cfg.tile_bytes(wb, n_states * sb) // cfg.epi_n, SLICES=cfg.slices(),
+                  ST_BYTES=cfg.tile_bytes(wb, n_states * sb), SLOTS=cfg.state_slots,
                   CONSUMER_REGS=cfg.consumer_regs)
     sig = {}
     for n in names:

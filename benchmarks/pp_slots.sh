@@ -1,11 +1,10 @@
 #!/bin/bash
-# The ping-pong kernel's ring of state slices (state_slices) against dY/X stages, in one device call (~6 minutes):
-# the ping-pong GPU bit tests (which include ring lengths 3 and 8), then, only if they pass,
-# pp_sweep.py --set ring at BT=512 on the Llama-3.1-8B shapes and at BT=256/1024 on two of them.
-# (Its first form, pp_slots.sh at commit 12c3ef0, swept whole-tile state slots.)
-#   bash benchmarks/pp_ring.sh OUTDIR
+# state_slots (3-6 tiles' W/states in shared memory) for the ping-pong kernel, in one device call (~6 minutes):
+# the ping-pong GPU bit tests (which include t3/t4 schedules), then, only if they pass, pp_sweep.py --set slots
+# at BT=512 on the Llama-3.1-8B shapes and at BT=256/1024 on two of them.
+#   bash benchmarks/pp_slots.sh OUTDIR
 set -u
-OUTD=${1:-${OUT:-/tmp/pp-ring}}
+OUTD=${1:-${OUT:-/tmp/pp-slots}}
 mkdir -p "$OUTD"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUTD/versions.txt"
@@ -14,9 +13,9 @@ timeout ${TEST_BUDGET:-200} python3 -m pytest -q -rA -m gpu -p no:cacheprovider 
 rc=$?
 echo "pytest rc=$rc" >> "$OUTD/gpu-tests.log"
 grep -E "FAILED|ERROR|passed|failed|rc=" "$OUTD/gpu-tests.log"
-if [ $rc != 0 ]; then echo "ring not validated: no sweep"; exit 1; fi
+if [ $rc != 0 ]; then echo "slots not validated: no sweep"; exit 1; fi
 mkdir -p "$OUTD/bt512" "$OUTD/bt256-1024"
-OUT="$OUTD/bt512" timeout ${SWEEP_BUDGET:-200} python3 benchmarks/pp_sweep.py --set ring \
+OUT="$OUTD/bt512" timeout ${SWEEP_BUDGET:-200} python3 benchmarks/pp_sweep.py --set slots \
   --shapes ${SHAPES:-4096x4096,14336x4096,4096x14336,128256x4096} 2>&1 | grep -v "warnings.warn\|Warning"
-OUT="$OUTD/bt256-1024" timeout ${SWEEP2_BUDGET:-120} python3 benchmarks/pp_sweep.py --set ring \
+OUT="$OUTD/bt256-1024" timeout ${SWEEP2_BUDGET:-120} python3 benchmarks/pp_sweep.py --set slots \
   --shapes 4096x4096,14336x4096 --bts 256,1024 2>&1 | grep -v "warnings.warn\|Warning"
