@@ -3,7 +3,7 @@
 # with the shipped table (which names the Gluon ping-pong kernel for the large bf16-state weights) and, in the
 # same call, forge-bf16 with OLD_TABLE as a user table (its entries override the shipped ones: the Triton
 # tiles alone), torch fused AdamW and `none` as the baselines.
-#   OLD_TABLE=build/old-h100.json bash benchmarks/pp_e2e.sh OUTDIR
+#   OLD_TABLE=build/old-h100.json [SEQ=512] [METHODS=...] [TEST_BUDGET=200] bash benchmarks/pp_e2e.sh OUTDIR
 set -u
 OUTD=$(realpath -m "${1:-${OUT:-/tmp/pp-e2e}}")
 mkdir -p "$OUTD"
@@ -16,7 +16,7 @@ if [ "${TEST_BUDGET:-200}" != 0 ]; then
   grep -E "PASSED|FAILED|ERROR|passed|failed|rc=" "$OUTD/gpu-tests.log"
 fi
 bench() {
-  python3 -m forge_optim.cli.main bench --device cuda --model Llama-3.1-8B --batch-size 1 --seq-len 512 --compile \
+  python3 -m forge_optim.cli.main bench --device cuda --model Llama-3.1-8B --batch-size 1 --seq-len ${SEQ:-512} --compile \
     --steps 10 --warmup 5 --profile-steps 2 --timeline-methods '' --no-plots --time-budget ${BUDGET:-300} \
     --method-timeout 170 "$@" 2>&1 | grep -v "Warning\|warnings.warn"
 }

@@ -33,7 +33,7 @@ def apply(table: dict, sweeps: list[dict], why: str, margin: float) -> tuple[dic
         if sw["device"] != table["device"]:
             raise SystemExit(f"device mismatch: table {table['device']!r}, sweep {sw['device']!r}")
         for row in sw["rows"]:
-            if row.get("states", "bf16") != "bf16":  # int8 ping-pong entries wait for its GPU validation
+            if row.get("states", "bf16") != "bf16":  # the int8 ping-pong is slower (NOTES thirtieth session)
                 continue
             M, N = map(int, row["shape"].split("x"))
             t = {k: v for k, v in row["ms"].items() if isinstance(v, float)}

@@ -1086,7 +1086,9 @@ def _worker(ns, m: str, r: dict, save) -> None:
     for _ in range(ns.steps):
         ms, loss = timed_step()
         times.append(ms)
-        losses.append(loss.detach())
+        # a copy: under CUDA graphs the loss is a graph output the next replay overwrites (without it every
+        # entry read as the last step's loss, loss_first == loss_last)
+        losses.append(loss.detach().clone())
     r["host_cpu"] = host_cpu_delta(cpu0, host_cpu_sample())
     med = statistics.median(times)
     qs = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [med, med, med]
