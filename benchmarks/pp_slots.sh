@@ -5,15 +5,8 @@
 #   bash benchmarks/pp_slots.sh OUTDIR
 set -u
 OUTD=${1:-${OUT:-/tmp/pp-slots}}
-mkdir -p "$OUTD"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUTD/versions.txt"
-timeout ${TEST_BUDGET:-200} python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_pingpong_kernel.py \
-  > "$OUTD/gpu-tests.log" 2>&1
-rc=$?
-echo "pytest rc=$rc" >> "$OUTD/gpu-tests.log"
-grep -E "FAILED|ERROR|passed|failed|rc=" "$OUTD/gpu-tests.log"
-if [ $rc != 0 ]; then echo "slots not validated: no sweep"; exit 1; fi
+source "$(dirname "$0")/pp_gpu_tests.sh"
+if [ $PP_TESTS_RC != 0 ]; then echo "slots not validated: no sweep"; exit 1; fi
 mkdir -p "$OUTD/bt512" "$OUTD/bt256-1024"
 OUT="$OUTD/bt512" timeout ${SWEEP_BUDGET:-200} python3 benchmarks/pp_sweep.py --set slots \
   --shapes ${SHAPES:-4096x4096,14336x4096,4096x14336,128256x4096} 2>&1 | grep -v "warnings.warn\|Warning"
