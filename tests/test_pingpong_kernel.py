@@ -25,7 +25,7 @@ CPU_CONFIGS = [PP.PingPongConfig(BN=64, epi_n=2, stages=6),
                # a 64x128 schedule the H100 table names (kernels/tuned/nvidia_h100_80gb_hbm3.json)
                PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16),
                # three and four tiles' W/states in shared memory (a slot is used by both consumers in turn)
-               PP.PingPongConfig(BN=128, epi_n=4, stages=3, state_slots=3),
+               PP.PingPongConfig(BN=128, epi_n=4, stages=3, group_size=16, state_slots=3),  # tabled: lm_head BT=256
                PP.PingPongConfig(BN=64, epi_n=2, stages=6, state_slots=4),
                PP.PingPongConfig(BN=64, epi_n=2, stages=5, state_slots=5)]  # tabled at BT=256 (H100)
 

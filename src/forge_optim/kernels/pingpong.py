@@ -437,7 +437,7 @@ CANDIDATES = ([PingPongConfig(BN=64, epi_n=2, stages=6)]
               # slower at BT >= 512 (fewer dY/X stages; NOTES thirtieth session)
               + [PingPongConfig(BN=64, epi_n=2, stages=6, state_slots=4),
                  PingPongConfig(BN=64, epi_n=2, stages=5, state_slots=5),
-                 PingPongConfig(BN=128, epi_n=4, stages=3, state_slots=3)])
+                 PingPongConfig(BN=128, epi_n=4, stages=3, group_size=16, state_slots=3)])
 
 # int8 states need one-scale-block-wide epilogue slices (BN // epi_n == 64); spills 24 B and 548 B at sm_90a.
 # Bit-identical to the Triton kernel on an H100 (test_gpu_pingpong_int8_writes_the_triton_kernels_bits) but
