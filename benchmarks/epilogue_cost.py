@@ -36,6 +36,7 @@ from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 
 from bench_kernel import fixed_job, make_states  # noqa: E402  (this script's folder is on sys.path)
+from results_path import result_path  # noqa: E402  (benchmarks/ is the script directory)
 
 BYTES = {"adamw-bf16-sr": 12, "adamw-bf16-rn": 12, "adamw-fp32": 20, "adamw-int8": 8.125,
          "sgd-bf16-sr": 4, "accumulate": 8}
@@ -95,8 +96,7 @@ def main():
     out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                command=" ".join([sys.executable] + sys.argv), rows=rows)
-    path = Path(os.environ["OUT"]) / "epilogue_cost.json" if os.environ.get("OUT") else (
-        Path(__file__).resolve().parent / "results" / f"epilogue-cost-{dt.date.today().isoformat()}.json")
+    path = result_path("epilogue_cost.json", "epilogue-cost")
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from forge_optim.rules import RULES  # noqa: E402
 from forge_optim.rules.base import StateSpec  # noqa: E402
 
 from bench_kernel import rotating_inputs, unfused_step  # noqa: E402  (this script's folder is on sys.path)
+from results_path import result_path  # noqa: E402  (benchmarks/ is the script directory)
 
 RULE = RULES["AdamW"]
 GROUP = dict(RULE.defaults, lr=1e-3, weight_decay=0.1)
@@ -180,8 +180,7 @@ def main():
     results = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    command=" ".join([sys.executable] + sys.argv), correctness=[], timing=[])
-    path = Path(os.environ["OUT"]) / "pingpong_check.json" if os.environ.get("OUT") else (
-        Path(__file__).resolve().parent / "results" / f"pingpong-{dt.date.today().isoformat()}.json")
+    path = result_path("pingpong_check.json", "pingpong")
 
     def save():
         path.write_text(json.dumps(results, indent=1) + "\n")

@@ -13,7 +13,6 @@ import argparse
 import datetime as dt
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from bench_kernel import make_states, rotating_inputs  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
+from results_path import result_path  # noqa: E402  (benchmarks/ is the script directory)
 
 TRITON = ["128x256x64 w16 s3 g8 p1 e8 tma la1", "64x128x64 w4 s3 g8 p3 e8 tma r168 ev"]
 TRITON_INT8 = ["128x256x64 w16 s3 g8 p1 e8 tma la1 ev", "256x128x64 w16 s3 g8 p1 e8 tma la1"]
@@ -75,8 +75,7 @@ def main():
     res = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                command=" ".join([sys.executable] + sys.argv), rows=[])
-    path = Path(os.environ["OUT"]) / "pp_sweep.json" if os.environ.get("OUT") else (
-        Path(__file__).resolve().parent / "results" / f"pp-sweep-{dt.date.today().isoformat()}.json")
+    path = result_path("pp_sweep.json", "pp-sweep")
     for shape, BT, mode in [(sh, bt, md) for sh in a.shapes.split(",") for bt in map(int, a.bts.split(","))
                             for md in a.modes.split(",")]:
         M, N = map(int, shape.split("x"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from bench_kernel import rotating_inputs  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 from pingpong_check import run_pp, run_triton  # noqa: E402
+from results_path import result_path  # noqa: E402  (benchmarks/ is the script directory)
 
 OFFSETS_KIB = [0, 4, 64, 512, 2048, 3 * 1024 + 12]  # where each of W, m, v starts inside its buffer
 
@@ -65,8 +65,7 @@ def main():
         res["rows"].append(row)
         del W, m, v
         torch.cuda.empty_cache()
-    path = Path(os.environ["OUT"]) / "pp_variance.json" if os.environ.get("OUT") else (
-        Path(__file__).resolve().parent / "results" / f"pp-variance-{dt.date.today().isoformat()}.json")
+    path = result_path("pp_variance.json", "pp-variance")
     path.write_text(json.dumps(res, indent=1) + "\n")
     print(f"wrote {path}")
 

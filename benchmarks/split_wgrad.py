@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from forge_optim.rules import RULES  # noqa: E402
 from forge_optim.rules.base import StateSpec  # noqa: E402
 
 from bench_kernel import unfused_step  # noqa: E402  (this script's folder is on sys.path)
+from results_path import result_path  # noqa: E402  (benchmarks/ is the script directory)
 
 RULE = RULES["AdamW"]
 GROUP = dict(RULE.defaults, lr=1e-3, weight_decay=0.1)
@@ -72,8 +72,7 @@ def main():
     out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                command=" ".join([sys.executable] + sys.argv), rows=[])
-    path = Path(os.environ["OUT"]) / "split_wgrad.json" if os.environ.get("OUT") else (
-        Path(__file__).resolve().parent / "results" / f"split-wgrad-{dt.date.today().isoformat()}.json")
+    path = result_path("split_wgrad.json", "split-wgrad")
     scratch = torch.empty(64 * 2**20 // 4, device="cuda", dtype=torch.float32)
     bench = lambda fn: do_bench(fn, warmup=10, rep=60, return_mode="median")  # noqa: E731
     for (M, N) in [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096), (128256, 4096)]:
