@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -43,11 +42,8 @@ def run(kernel, W, views, dy, x, nf, cfg):
 
 
 def pp_configs():
-    out = [PP.PingPongConfig(BN=64, epi_n=2, stages=6)]
-    for st, en in itertools.product((4, 5), (2, 4, 8)):  # s6 at 64x128 runs as s5 (fit_config)
-        out.append(PP.PingPongConfig(BN=128, epi_n=en, stages=st))
-    out.append(PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16))
-    return out
+    """The tuner's two-slot ping-pong candidates (slot_configs() times the others against them)."""
+    return [c for c in PP.CANDIDATES if c.state_slots == 2]
 
 
 def slot_configs():

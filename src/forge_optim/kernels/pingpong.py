@@ -19,8 +19,8 @@ The epilogue computes exactly what ``fused._epi_apply`` computes for MODE_UPDATE
 buffer: the rule's ``triton_update`` (the same @triton.jit function), the non-finite guard and
 count, and bf16 stores by the same hashed stochastic rounding (``fused._to_bf16``) or RNE. States are
 fp32 or bf16, or int8/uint8 codes with their bf16 block scales (epilogue slices one 64-column block wide;
-bit-identical to the Triton kernel's on an H100, but 1.24-1.27x slower, so the backend does not use it); gradient buffers and accumulate
-mode use the Triton kernel.
+bit-identical to the Triton kernel's on an H100, but 1.24-1.27x slower, so the backend does not use it);
+gradient buffers and accumulate mode use the Triton kernel.
 
 Where it runs: the Triton backend launches it for a tuning key whose entry in this device's tuned table
 names it (``{"kernel": "pingpong", ...}``, ``table_dict``; ``backends/triton_backend.py``), and falls back to
@@ -505,6 +505,16 @@ def supported(weight, dy, x, states, grad_buffer=None) -> str | None:
     return None
 
 
+def _constexprs(cfg: PingPongConfig, update, has_nf: bool, w_bf16: bool, w_sr: bool, kinds, s_sr: bool,
+                w_bytes: int, state_bytes: int) -> dict:
+    """The kernel's constexpr arguments for ``cfg``, in signature order (``launch``'s record appends
+    their values to the runtime arguments)."""
+    return dict(UPDATE=update, HAS_NF=has_nf, W_BF16=w_bf16, W_SR=w_sr, S0=kinds[0], S1=kinds[1], S2=kinds[2],
+                S_SR=s_sr, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size,
+                EPI_N=cfg.epi_n, ST_BYTES=cfg.tile_bytes(w_bytes, state_bytes), SLOTS=cfg.state_slots,
+                CONSUMER_REGS=cfg.consumer_regs)
+
+
 # positions in ``launch``'s argument list
 ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 10, 18, 19
 
@@ -548,11 +558,8 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
             M, N, nprog, c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7], float(grad_sign),
             _i32(key_weight), _i32(key_states[0]), _i32(key_states[1]), _i32(key_states[2]),
             scales[0], scales[1], scales[2], (N + 63) // 64]
-    meta = dict(UPDATE=rule_update, HAS_NF=nonfinite is not None, W_BF16=weight.dtype == torch.bfloat16,
-                W_SR=bool(stochastic_weight), S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=bool(stochastic_state),
-                BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                ST_BYTES=cfg.tile_bytes(weight.element_size(), state_bytes), SLOTS=cfg.state_slots,
-                CONSUMER_REGS=cfg.consumer_regs)
+    meta = _constexprs(cfg, rule_update, nonfinite is not None, weight.dtype == torch.bfloat16, bool(stochastic_weight),
+                       kinds, bool(stochastic_state), weight.element_size(), state_bytes)
     compiled = forge_pingpong_kernel[(nprog,)](*args, **meta, num_warps=4,
                                                **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     # what ran, for a caller that re-launches it with new dY, X, coefficients and keys (``relaunch``):
@@ -614,11 +621,8 @@ def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16
         kinds = [kind if i < n_states else 0 for i in range(3)]
     sdt = {fused.S_INT8: torch.int8, fused.S_UINT8: torch.uint8, fused.S_BF16: torch.bfloat16,
            fused.S_FP32: torch.float32}
-    consts = dict(UPDATE=rl.triton_update, HAS_NF=nonfinite, W_BF16=w_dtype == torch.bfloat16, W_SR=True,
-                  S0=kinds[0], S1=kinds[1], S2=kinds[2], S_SR=True, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-                  STAGES=cfg.stages, GROUP_SIZE=cfg.group_size, EPI_N=cfg.epi_n,
-                  ST_BYTES=cfg.tile_bytes(wb, n_states * sb), SLOTS=cfg.state_slots,
-                  CONSUMER_REGS=cfg.consumer_regs)
+    consts = _constexprs(cfg, rl.triton_update, nonfinite, w_dtype == torch.bfloat16, True, kinds, True, wb,
+                         n_states * sb)
     sig = {}
     for n in names:
         if n in consts:

@@ -54,8 +54,8 @@ def _states(mode: str, M: int, N: int, gen, rule):
 
 
 # The Gluon ping-pong kernel (kernels/pingpong.py) joins the candidates where it can run: bf16 states (its int8
-# path ran 1.24-1.27x slower than the Triton kernel's on the H100), 0 < BT <= 2048 (it lost at larger BT on the H100: its mainloop is one 64-row warpgroup at a
-# time), Hopper. FORGE_TUNE_PINGPONG=0 leaves it out.
+# path ran 1.24-1.27x slower than the Triton kernel's on the H100), 0 < BT <= 2048 (it lost at larger BT on the
+# H100: its mainloop is one 64-row warpgroup at a time), Hopper. FORGE_TUNE_PINGPONG=0 leaves it out.
 PINGPONG_MAX_BT = 2048
 
 
