@@ -58,7 +58,9 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
         assert r["ms_back_to_back"] > 0  # the same steps with no synchronize between them
         assert r["memory"] == "needs CUDA" and "peak_gib" not in r
         hc = r["host_cpu"]  # where the host's time went during the timed steps (Linux /proc)
-        assert hc["wall_s"] > 0 and hc["threads"] and hc["process_cpu_s"] > 0
+        assert hc["wall_s"] > 0 and hc["process_cpu_s"] > 0
+        # the busy threads (those that gained a clock tick, 10 ms: three tiny steps may gain none)
+        assert isinstance(hc["threads"], list) and (hc["threads"] or hc["process_cpu_s"] < 0.05), hc
         assert 0 <= hc["machine_busy_share"] <= 1
     assert res["methods"]["forge-bf16"]["fused_modules"] == 2 * 7 + 1
     assert res["methods"]["forge-bf16"]["kernel_configs"] == {}  # the torch backend ran: no kernel configs

@@ -67,6 +67,62 @@ def test_no_graph_break_in_a_fused_model():
     assert explained.graph_count == 1
 
 
+class _PaddedLM(torch.nn.Module):
+    """An embedding with a padding row, then a fused linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(40, 16, padding_idx=3)
+        self.head = torch.nn.Linear(16, 40, bias=False)
+
+    def forward(self, ids):
+        return torch.tanh(self.head(self.emb(ids))).square().mean()
+
+
+def test_compiled_embedding_gradient_is_row_sparse_and_steps_like_torch_adamw():
+    """Under torch.compile the untied embedding's gradient is eager's row-sparse one (the touched rows,
+    none for the padding row; two backward passes before a step add up), built by the opaque backward
+    op outside inductor's graph: no [vocab, dim] gradient. Its weights then follow torch.optim.AdamW on
+    the compiled dense-gradient twin to fp32 round-off, as the eager sparse step does."""
+    model = _PaddedLM()
+    ref_model = copy.deepcopy(model)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    cmodel, cref = torch.compile(model), torch.compile(ref_model)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        batches = [torch.randint(0, 40, (2, 7), generator=g) for _ in range(1 + step % 2)]
+        batches[0][0, 0] = 3  # the padding row is used, and gets no gradient
+        for m, o in ((cmodel, opt), (cref, ref)):
+            for i, ids in enumerate(batches):
+                if m is cmodel and i < len(batches) - 1:
+                    with opt.accumulate():  # micro-batches of one step
+                        m(ids).backward()
+                else:
+                    m(ids).backward()
+            if m is cmodel:
+                grad = model.emb.weight.grad
+                assert grad.is_sparse, grad.layout
+                touched = set(grad.coalesce().indices()[0].tolist())
+                assert touched == {int(i) for b in batches for i in b.flatten()} - {3}
+            o.step()
+            o.zero_grad()
+    assert rel_diff(model, ref_model) <= TOL
+    assert int(opt.state[model.emb.weight]["step"]) == 4
+
+
+def test_compiled_embedding_op_is_in_the_graph_without_a_break():
+    model = _PaddedLM()
+    forge_optim.AdamW(model, lr=1e-2)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.tensor([[1, 2, 3]]))
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    code = "\n".join(gm.code for gm in explained.graphs)
+    assert "forge_optim.embedding" in code, code
+
+
 def test_alias_follows_the_weight_storage():
     lin = torch.nn.Linear(4, 4)
     forge_optim.AdamW(lin)
@@ -80,7 +136,8 @@ def test_fused_ops_are_kept_out_of_cuda_graphs():
     mode="reduce-overhead" never records them into a CUDA graph (tests/test_gpu_end_to_end.py runs it)."""
     ops = torch.ops.forge_optim
     for op in (ops.fused_linear.default, ops.linear_counted.default, ops.fused_linear_backward.default,
-               ops.fused_linear_update.default, ops.count_uses.default):
+               ops.fused_linear_update.default, ops.count_uses.default, ops.embedding.default,
+               ops.embedding_sparse_grad.default):
         assert torch.Tag.cudagraph_unsafe in op.tags, op
 
 

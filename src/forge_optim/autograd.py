@@ -321,3 +321,72 @@ def fused_linear_traceable(x, weight, bias, weight_alias, handle_id: int):
     the operands its gradient is made of."""
     x, weight, bias = autocast_operands(x, weight, bias)
     return torch.ops.forge_optim.fused_linear(x, weight, bias, weight_alias, handle_id)
+
+
+# ----- the embedding's row-sparse gradient under torch.compile ------------------------------------
+# Eager FORGE hands opt.step() an embedding's touched rows (nn.Embedding(sparse=True)); inductor cannot
+# hold sparse tensors, so a compiled graph used to form the dense [vocab, dim] gradient instead: on
+# Llama-3.1-8B a 2 GiB fp32 zero-fill, its bf16 cast and a gradient read in the dense update (~2-3 ms
+# of a BS=1 step). Here the compiled backward calls an opaque op that builds eager's sparse gradient
+# from (dY, indices) and accumulates it into ``weight.grad`` as autograd's AccumulateGrad would; the
+# traced formula returns no gradient for the weight.
+_LIB.define("embedding_sparse_grad(Tensor grad_out, Tensor indices, int padding_idx, int handle_id) -> ()",
+            tags=_GRAPH_UNSAFE)
+
+
+def embedding_sparse_grad_op(grad_out: torch.Tensor, indices: torch.Tensor, padding_idx: int, handle_id: int) -> None:
+    p = _handle(handle_id).param
+    g = torch.ops.aten.embedding_sparse_backward(grad_out, indices, p.shape[0], padding_idx, False)
+    with torch.no_grad():
+        p.grad = g if p.grad is None else p.grad + g
+
+
+_LIB.impl("embedding_sparse_grad", embedding_sparse_grad_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge_optim::embedding_sparse_grad")
+def _embedding_sparse_grad_fake(grad_out, indices, padding_idx, handle_id):
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.forge_optim.embedding_sparse_grad.default)
+
+_LIB.define("embedding(Tensor indices, Tensor weight, int padding_idx, int handle_id) -> Tensor", tags=_GRAPH_UNSAFE)
+
+
+def embedding_op(indices: torch.Tensor, weight: torch.Tensor, padding_idx: int, handle_id: int) -> torch.Tensor:
+    return F.embedding(indices, weight)
+
+
+_LIB.impl("embedding", embedding_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("forge_optim::embedding")
+def _embedding_fake(indices, weight, padding_idx, handle_id):
+    return weight.new_empty(*indices.shape, weight.shape[1])
+
+
+class _TracedEmbeddingGrad(torch.autograd.Function):
+    """The autograd formula of ``forge_optim::embedding``: the weight's gradient goes to ``weight.grad`` as
+    a sparse tensor through the side-effecting op; autograd gets none."""
+
+    @staticmethod
+    def forward(ctx, indices, weight, padding_idx, handle_id):
+        ctx.save_for_backward(indices)
+        ctx.padding_idx, ctx.handle_id = padding_idx, handle_id
+        return F.embedding(indices, weight)  # traced as aten.embedding: inductor fuses the gather
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (indices,) = ctx.saved_tensors
+        torch.ops.forge_optim.embedding_sparse_grad(grad_out, indices, ctx.padding_idx, ctx.handle_id)
+        return None, None, None, None
+
+
+def _embedding_autograd(indices, weight, padding_idx, handle_id):
+    if torch.is_grad_enabled() and weight.requires_grad:
+        return _TracedEmbeddingGrad.apply(indices, weight, padding_idx, handle_id)
+    return F.embedding(indices, weight)
+
+
+_LIB.impl("embedding", _embedding_autograd, "Autograd")

@@ -337,7 +337,7 @@ class ForgeOptimizer(torch.optim.Optimizer):
         self._sparse_embeddings = patch.plan_sparse_embeddings(model, trained) if sparse_embeddings else {}
         for mod in self._sparse_embeddings.values():
             mod.__class__ = patch.ForgeEmbedding
-            mod._forge_live = patch.LiveOnly()
+            mod._forge_live = patch.EmbeddingLink(mod.weight)
 
     # ----- groups -------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import dtensor
-from .autograd import fused_linear, fused_linear_traceable
+from .autograd import fused_linear, fused_linear_traceable, register_handle
 
 
 class ForgeLinear(nn.Linear):
@@ -182,14 +182,32 @@ class LiveOnly:
         return (type(None), ())
 
 
+class EmbeddingLink(LiveOnly):
+    """What ties a ForgeEmbedding to its optimizer: the id by which its compiled backward op finds the
+    weight whose ``.grad`` receives the touched rows (LiveOnly: a copy of the model carries none)."""
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+        self.id = register_handle(self)
+
+
 class ForgeEmbedding(nn.Embedding):
-    """nn.Embedding whose gradient is row-sparse in eager mode and dense under torch.compile; a copy
-    of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense gradients again."""
+    """nn.Embedding whose gradient is row-sparse, eager (``F.embedding(sparse=True)``) or compiled (the
+    ``forge_optim::embedding`` op, whose backward builds the same sparse gradient outside inductor's
+    graph); a copy of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense
+    gradients again."""
 
     _forge_live = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        sparse = self.sparse or (not torch.compiler.is_compiling() and self._forge_live is not None)
+        link = self._forge_live
+        if link is not None and not self.sparse and torch.compiler.is_compiling():
+            if self.max_norm is None and link.param is self.weight:  # (max_norm renormalizes W in forward)
+                pad = -1 if self.padding_idx is None else self.padding_idx
+                return torch.ops.forge_optim.embedding(input, self.weight, pad, link.id)
+            return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                               self.scale_grad_by_freq, False)
+        sparse = self.sparse or link is not None
         return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, sparse)
 
@@ -204,8 +222,8 @@ def plan_sparse_embeddings(model: nn.Module, trained: set[int]) -> dict:
     Left dense: weights shared with another module (a tied lm_head adds a dense gradient anyway),
     frozen or untrained weights, DTensor shards (vocabulary parallelism), already sparse modules,
     ``scale_grad_by_freq=True`` (torch's sparse embedding backward refuses it),
-    and subclasses of nn.Embedding (their own forward may not pass ``sparse``). Under torch.compile
-    the gradient stays dense (inductor cannot hold sparse tensors): see :class:`ForgeEmbedding`."""
+    and subclasses of nn.Embedding (their own forward may not pass ``sparse``). Under torch.compile the
+    gradient is built outside inductor's graph (which cannot hold sparse tensors): see :class:`ForgeEmbedding`."""
     owners = param_owners(model)
     out = {}
     for name, mod in model.named_modules():

@@ -859,7 +859,7 @@ def _profile_gpu(step, batches, n: int) -> dict:
     for name, (us, _) in by_name.items():
         c = _kernel_category(name)
         cats[c] = cats.get(c, 0.0) + us
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:15]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
     return {
         "gpu_ms_per_step": round(total / 1e3 / n, 3),
         "gpu_categories_ms": {k: round(v / 1e3 / n, 3) for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
