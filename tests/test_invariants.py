@@ -655,3 +655,46 @@ def test_centered_rmsprop_never_writes_nan_when_rounding_makes_the_variance_nega
         opt.step()
         opt.zero_grad()
     assert torch.isfinite(model[0].weight).all()
+
+
+def test_row_sparse_grad_sums_duplicates_as_coalesce_does_without_calling_it(monkeypatch):
+    """RowSparseGrad asks the device nothing (coalesce() would sync the host with the whole backward): the
+    touched rows sorted and unique in the first slots, the later slots repeating the first row with a zero
+    gradient, the sums those of coalesce() in fp32."""
+    from forge_optim.backends.base import RowSparseGrad
+
+    idx = torch.tensor([5, 2, 9, 5, 2, 5])
+    vals = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).bfloat16()
+    grad = torch.sparse_coo_tensor(idx[None], vals, (12, 8))
+    want = grad.float().coalesce()
+    monkeypatch.setattr(torch.Tensor, "coalesce", lambda self: pytest.fail("coalesce() was called"))
+    g = RowSparseGrad(grad)
+    assert g.index.tolist() == [2, 5, 9, 2, 2, 2] and g.valid.tolist() == [True] * 3 + [False] * 3
+    assert torch.equal(g.values[:3], want.values()) and not g.values[3:].any()
+    with pytest.raises(ValueError, match="row-sparse 2-D gradient"):
+        RowSparseGrad(torch.zeros(12, 8))
+
+
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16", "int8"])
+def test_repeated_tokens_step_like_their_coalesced_gradient(state_dtype):
+    """A batch that repeats tokens gives more gradient entries than touched rows: the extra slots repeat the
+    first touched row and must write its bits, not a second update of it. Same bits (fp32, bf16 with
+    stochastic rounding, int8) as the step on the gradient coalesced beforehand (one slot per row)."""
+    torch.manual_seed(0)
+    a = nn.Embedding(50, 64).to(torch.bfloat16 if state_dtype == "bf16" else torch.float32)
+    b = copy.deepcopy(a)
+    opt_a = forge_optim.AdamW(a, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    opt_b = forge_optim.AdamW(b, lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+    for step in range(3):
+        ids = torch.tensor([[3, 7, 3, 3, 11], [7, 40, 3, 0, 0]]) + step
+        # small integers: the duplicates' sums are exact in bf16 too (b's coalesce() sums in the weight's dtype)
+        c = torch.randint(-4, 5, (2, 5, 64), generator=torch.Generator().manual_seed(step)).to(a.weight.dtype)
+        for m, o in ((a, opt_a), (b, opt_b)):
+            (m(ids) * c).float().sum().backward()
+            if m is b:
+                b.weight.grad = b.weight.grad.coalesce()
+            o.step()
+            o.zero_grad()
+    assert torch.equal(a.weight, b.weight)
+    for key in opt_a.state[a.weight]:
+        assert torch.equal(opt_a.state[a.weight][key], opt_b.state[b.weight][key]), key

@@ -73,7 +73,9 @@ class Backend:
         """The update on a row-sparse gradient without densifying it. Every row is updated once with a
         zero gradient (weight decay and moment decay move untouched rows too): one update over the
         table, no gradient tensor. The touched rows are gathered *before* it, updated from their
-        old values and gradient, and written over its result: each row gets exactly one update."""
+        old values and gradient, and written over its result: each row gets exactly one update.
+        No host sync: the slots after the touched rows repeat the first one (``grad.valid`` False,
+        zero gradient) and are given that row's result before the scatter, so they write its bits."""
         idx = grad.index
         w2d = job.weight
         touched = UpdateJob(
@@ -88,11 +90,16 @@ class Backend:
         self.update(job, *no_tokens(w2d))
         if idx.numel():
             self.update_from_grad(touched, grad.values)
-            w2d.index_copy_(0, idx, touched.weight)
+            keep = grad.valid[:, None]
+
+            def settled(t: torch.Tensor) -> torch.Tensor:
+                return torch.where(keep, t, t[:1])  # a repeated slot takes the first touched row's result
+
+            w2d.index_copy_(0, idx, settled(touched.weight))
             for v, t in zip(job.states, touched.states):
-                v.data.index_copy_(0, idx, t.data)
+                v.data.index_copy_(0, idx, settled(t.data))
                 if v.scale is not None:
-                    v.scale.index_copy_(0, idx, t.scale)
+                    v.scale.index_copy_(0, idx, settled(t.scale))
 
 
 def no_tokens(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,16 +116,33 @@ CHUNK_ELEMENTS = 1 << 24
 
 
 class RowSparseGrad:
-    """A [rows, cols] gradient that is zero outside ``index`` (sorted, unique rows), with ``values``
-    [len(index), cols] in fp32: what ``nn.Embedding(sparse=True)`` gives, duplicates summed."""
+    """A [rows, cols] gradient that is zero outside the touched rows, from a sparse COO tensor (what
+    ``nn.Embedding(sparse=True)`` gives: one entry per token, duplicates not summed).
+
+    ``index`` [n] (n = the entries given, a host-known size): the touched rows, sorted and unique, in its
+    first slots; every slot after them repeats ``index[0]``. ``values`` [n, cols] fp32: each touched row's
+    gradient summed in fp32 in entry order (as ``coalesce()`` sums), zero in the repeated slots. ``valid``
+    [n]: the slot holds a touched row. Built without asking the device how many rows were touched:
+    ``coalesce()`` would (a host sync that waits for the whole backward before the step can queue)."""
 
     def __init__(self, grad: torch.Tensor):
-        g = grad.float().coalesce()  # duplicate rows (a token seen twice) summed in fp32
-        if g.sparse_dim() != 1 or g.dim() != 2:
-            raise ValueError(f"expected a row-sparse 2-D gradient (an embedding's), got sparse_dim="
-                             f"{g.sparse_dim()} of a {g.dim()}-D tensor")
-        self.index = g.indices()[0]
-        self.values = g.values()
+        if not grad.is_sparse or grad.sparse_dim() != 1 or grad.dim() != 2:
+            raise ValueError(f"expected a row-sparse 2-D gradient (an embedding's), got a {grad.layout} "
+                             f"{grad.dim()}-D tensor" + (f" with sparse_dim={grad.sparse_dim()}" if grad.is_sparse else ""))
+        idx, vals = grad._indices()[0], grad._values().float()
+        n = idx.numel()
+        if n == 0:
+            self.index, self.values = idx, vals.reshape(0, grad.shape[1])
+            self.valid = torch.zeros(0, dtype=torch.bool, device=idx.device)
+            return
+        rows, order = torch.sort(idx, stable=True)
+        first = torch.ones_like(rows, dtype=torch.bool)
+        first[1:] = rows[1:] != rows[:-1]
+        seg = torch.cumsum(first, 0) - 1  # each entry's slot
+        lengths = torch.zeros_like(seg).index_add_(0, seg, torch.ones_like(seg))
+        self.values = torch.segment_reduce(vals[order], "sum", lengths=lengths, axis=0, unsafe=True)
+        self.index = rows[:1].repeat(n).scatter_(0, seg, rows)  # (entries of one slot write the same row)
+        self.valid = lengths > 0
 
 
 def grad_rows(grad: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
