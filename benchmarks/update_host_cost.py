@@ -10,6 +10,14 @@ paths applies a real AdamW step to the weight (the figures do not depend on its 
 
     python3 benchmarks/update_host_cost.py --cpu --out FILE     (no GPU: the update's Python alone)
 
+    PYTHONPATH=src python3 benchmarks/update_host_cost.py --pingpong --out FILE     (Hopper)
+
+``--pingpong`` times the Gluon ping-pong kernel's launch paths per call on a 1024x2048 bf16 weight, BT=512
+(W/m/v ~25 MB: a ~10 us kernel, so the loops wait on the host): ``pingpong.launch`` (Gluon's JIT dispatch,
+six descriptors), ``pingpong.relaunch`` (what a prepared plan calls: Triton's launcher re-encodes all six TMA
+descriptors) and ``pingpong.EncodedRelaunch`` (W's and the states' encoded once, dY's and X's per call);
+first it checks that relaunch and EncodedRelaunch write the same bits.
+
 ``--cpu`` times the Python pieces of a prepared update on CPU tensors (TRITON_INTERPRET=1, the kernel
 launch replaced by a no-op, so ``plan.run`` packs a full launch's arguments there and is not timed):
 ``_step_scalars`` and its parts, ``_FastPath.valid``, ``_locate``, the compiled backward's update op
@@ -64,9 +72,12 @@ def main():
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cpu", action="store_true", help="the Python pieces alone, on CPU (see the docstring)")
+    ap.add_argument("--pingpong", action="store_true", help="the ping-pong kernel's launch paths (see the docstring)")
     a = ap.parse_args()
     if a.cpu:
         return cpu_main(a)
+    if a.pingpong:
+        return pingpong_main(a)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU: it times kernel launches")
     torch.manual_seed(0)
@@ -123,6 +134,68 @@ def main():
                torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
                dim=a.dim, bt=a.bt, calls=a.calls, repeats=a.repeats, units="us per call, median over repeats",
                results=res)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {a.out}")
+
+
+def pingpong_main(a):
+    import triton
+
+    from forge_optim.backends.base import StateView
+    from forge_optim.kernels import pingpong as PP
+    from forge_optim.rules import RULES
+
+    rule = RULES["AdamW"]
+    M, N, BT = 1024, 2048, 512
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
+    views = [StateView(sp, (torch.randn(M, N, device="cuda", generator=g) * 1e-3).abs().bfloat16())
+             for sp in rule.state_specs(dict(rule.defaults))]
+    coeffs = rule.padded(rule.coefficients(dict(rule.defaults, lr=1e-5), {}, 5))
+    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
+    nf = torch.zeros((), dtype=torch.int64, device="cuda")
+    cfg = PP.PingPongConfig(BN=128, epi_n=4, stages=5, group_size=16)
+    kw = dict(dy=dy, x=x, rule_update=rule.triton_update, coeffs=coeffs, nonfinite=nf, stochastic_weight=True,
+              stochastic_state=True, key_weight=1, key_states=(2, 3, 0), config=cfg)
+    dev = torch.cuda.current_device()
+
+    def record_for(weight, vs):
+        return PP.launch(weight=weight, states=tuple(vs) + (None,), **kw)
+
+    # bits: relaunch and EncodedRelaunch on two copies, the same launches
+    copies = []
+    for how in ("relaunch", "encoded"):
+        wc, vc = w.clone(), [StateView(v.spec, v.data.clone()) for v in views]
+        rec = record_for(wc, vc)
+        for step in range(3):
+            if how == "relaunch":
+                PP.relaunch(rec, dy, x, coeffs, 1.0, 10 + step, (20 + step, 30 + step, 0), dev)
+            else:
+                PP.EncodedRelaunch.make(rec)(dy, x, coeffs, 1.0, 10 + step, (20 + step, 30 + step, 0), dev)
+        torch.cuda.synchronize()
+        copies.append([wc] + [v.data for v in vc])
+    same_bits = all(torch.equal(p.view(torch.int16), q.view(torch.int16)) for p, q in zip(*copies))
+    print(f"relaunch and EncodedRelaunch write the same bits: {same_bits}", flush=True)
+
+    rec = record_for(w, views)
+    enc = PP.EncodedRelaunch.make(rec)
+    res = dict(same_bits=same_bits, encoded_available=enc is not None)
+    timed = [("pingpong.launch", lambda: record_for(w, views)),
+             ("pingpong.relaunch", lambda: PP.relaunch(rec, dy, x, coeffs, 1.0, 7, (8, 9, 0), dev)),
+             ("torch.mm (a wgrad GEMM's launch)", lambda: torch.mm(dy.t(), x))]
+    if enc is not None:
+        timed.insert(2, ("EncodedRelaunch", lambda: enc(dy, x, coeffs, 1.0, 7, (8, 9, 0), dev)))
+    for name, fn in timed:
+        fn()
+        res[name] = per_call_us(fn, a.calls, a.repeats)
+        print(f"{name:40s} host {res[name]['host_us']:8.2f} us   synced {res[name]['synced_us']:8.2f} us", flush=True)
+    out = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+               torch=torch.__version__, triton=triton.__version__, command=" ".join([sys.executable] + sys.argv),
+               shape=[M, N], bt=BT, config=cfg.short(), calls=a.calls, repeats=a.repeats,
+               units="us per call, median over repeats", results=res)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -13,12 +13,12 @@ from test_hf import hf_batches, tiny_llama  # noqa: E402
 TOL = 1e-5
 
 
-def _compiled_pair():
-    """One tiny Llama twice: FORGE AdamW and torch.optim.AdamW, each model compiled."""
-    model = tiny_llama()
+def _compiled_pair(model=None, weight_decay=0.01):
+    """One model (a tiny Llama by default) twice: FORGE AdamW and torch.optim.AdamW, each model compiled."""
+    model = tiny_llama() if model is None else model
     ref_model = copy.deepcopy(model)
-    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=weight_decay)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=weight_decay, foreach=False)
     cmodel, cref = torch.compile(model), torch.compile(ref_model)
     torch._dynamo.reset()
     return model, ref_model, opt, ref, cmodel, cref
@@ -85,12 +85,7 @@ def test_compiled_embedding_gradient_is_row_sparse_and_steps_like_torch_adamw():
     none for the padding row; two backward passes before a step add up), built by the opaque backward
     op outside inductor's graph: no [vocab, dim] gradient. Its weights then follow torch.optim.AdamW on
     the compiled dense-gradient twin to fp32 round-off, as the eager sparse step does."""
-    model = _PaddedLM()
-    ref_model = copy.deepcopy(model)
-    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.1)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
-    cmodel, cref = torch.compile(model), torch.compile(ref_model)
-    torch._dynamo.reset()
+    model, ref_model, opt, ref, cmodel, cref = _compiled_pair(_PaddedLM(), weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     for step in range(4):
         batches = [torch.randint(0, 40, (2, 7), generator=g) for _ in range(1 + step % 2)]

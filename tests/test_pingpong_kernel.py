@@ -200,12 +200,76 @@ def test_gpu_pingpong_nonfinite_count_and_guard():
         assert torch.isfinite(W.float()).all()
 
 
+def test_encoded_relaunch_passes_the_launchers_own_arguments(monkeypatch):
+    """EncodedRelaunch hands the launcher's C ``launch`` exactly the arguments Triton's own wrapper builds for
+    ``relaunch``'s call, with W's and the states' TMA descriptors encoded once per plan and dY's and X's at
+    every call (CPU: an offline-compiled kernel's signature and descriptor metadata, Triton's
+    ``wrap_handle_tensordesc`` around a recording C launch, a fake cuTensorMapEncodeTiled)."""
+    import types
+
+    import triton
+    from triton.backends.nvidia import driver as nv
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    cfg = PP.PingPongConfig(BN=128, epi_n=4, stages=5)
+    k = PP.compile_offline(cfg)
+    encodes = []
+
+    def fill(ptr, swizzle, elem_size, dtype, block, shape, strides, padding):
+        encodes.append(ptr)
+        return ("tma", ptr, swizzle, elem_size, dtype, tuple(block), tuple(shape), tuple(strides), padding)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active",
+                        types.SimpleNamespace(utils=types.SimpleNamespace(fill_tma_descriptor=fill)))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    calls = []
+    run = nv.CudaLauncher.__new__(nv.CudaLauncher)
+    run.launch = nv.wrap_handle_tensordesc(lambda *a: calls.append(a), k.src.signature, k.metadata.tensordesc_meta)
+    run.num_ctas, run.global_scratch_size, run.profile_scratch_size = 1, 0, 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid = run.launch_pdl = False
+    compiled = types.SimpleNamespace(run=run, function=77, packed_metadata=("packed",))
+
+    M, N, BT = 256, 512, 64
+    W, m, v = (torch.zeros(M, N, dtype=torch.bfloat16) for _ in range(3))
+    sn = cfg.BN // cfg.epi_n
+
+    def desc(t, block):
+        return TensorDescriptor.from_tensor(t, block, gluon.language.NVMMASharedLayout.get_default_for(
+            block, gluon.language.bfloat16))
+
+    dy0, x0 = torch.zeros(BT, M, dtype=torch.bfloat16), torch.zeros(BT, N, dtype=torch.bfloat16)
+    w_desc = desc(W, [cfg.BM, sn])
+    args = [None, None, w_desc, desc(m, [cfg.BM, sn]), desc(v, [cfg.BM, sn]), w_desc, W, M, N, 8,
+            *([0.0] * 8), 1.0, 0, 0, 0, 0, W, W, W, (N + 63) // 64]  # as launch() lays them out
+    args += [0] * (len(k.src.signature) - len(args))  # the constexprs' values
+    record = (compiled, 8, args, (cfg.BK, cfg.BM, cfg.BN, desc(dy0, [cfg.BK, cfg.BM]).layout,
+                                  desc(x0, [cfg.BK, cfg.BN]).layout))
+    enc = PP.EncodedRelaunch.make(record)
+    assert enc is not None and len(encodes) == 4  # W and the states, once
+    for step in range(2):
+        dy = torch.randn(BT, M).bfloat16()
+        x = torch.randn(BT, N).bfloat16()
+        coeffs = [0.1 * (i + step) for i in range(8)]
+        keys = (11 + step, 12, 13, 0)
+        PP.relaunch(record, dy, x, coeffs, -1.0, keys[0], keys[1:], 0)
+        enc(dy, x, coeffs, -1.0, keys[0], keys[1:], 0)
+        want, got = calls[-2], calls[-1]
+        assert len(want) == len(got)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert a is b or (not isinstance(a, torch.Tensor) and a == b), (i, a, b)
+        assert want[13][0] == "tma" and want[13][1] == dy.data_ptr()  # dY's descriptor comes first
+    assert len(encodes) == 4 + 2 * (6 + 2)  # relaunch: six per call; EncodedRelaunch: dY's and X's
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the ping-pong kernel needs Hopper (sm_90)")
-def test_gpu_backend_launches_a_tabled_pingpong_config_and_its_plan(tmp_path, monkeypatch):
+@pytest.mark.parametrize("encoded", [False, True], ids=["relaunch", "encoded"])
+def test_gpu_backend_launches_a_tabled_pingpong_config_and_its_plan(tmp_path, monkeypatch, encoded):
     """A (user) table that names the ping-pong kernel for a key: the backend's update, and the prepared plan's
-    re-launches with new dY/X (pingpong.relaunch), write the Triton kernel's bits; a dY that is not 16-byte
-    aligned takes the Triton kernel instead (the plan refuses it, the update falls back), with the same bits."""
+    re-launches with new dY/X (pingpong.relaunch, or EncodedRelaunch), write the Triton kernel's bits; a dY that
+    is not 16-byte aligned takes the Triton kernel instead (the plan refuses it, the update falls back), with
+    the same bits."""
     import json
     from dataclasses import replace
 
@@ -224,6 +288,7 @@ def test_gpu_backend_launches_a_tabled_pingpong_config_and_its_plan(tmp_path, mo
     a, b = _gpu_adam_job(M, N, seed=4), _gpu_adam_job(M, N, seed=4)
     key = tuning_key(a, batches[0][0], launch_kwargs(a, *batches[0]))
     monkeypatch.setenv("FORGE_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(PP, "ENCODED_RELAUNCH", encoded)
     (tmp_path / tuned.table_name(name)).write_text(json.dumps(dict(
         device=name, entries=[dict(key=tuned.key_text(key), config=PP.table_dict(cfg))])))
     tuned.load_table.cache_clear()
@@ -248,6 +313,7 @@ def test_gpu_backend_launches_a_tabled_pingpong_config_and_its_plan(tmp_path, mo
             ref.update(replace(b, key_weight=3000 + step, key_states=keys), dy, x)
             same()
         assert plan.by_class  # the record relaunch uses
+        assert all((enc is not None) == encoded for _, enc in plan.by_class.values())
         # a dY whose rows start 2 bytes off 16-byte alignment: not for TMA
         raw = torch.randn(BT * M + 1, device="cuda", generator=gen).bfloat16()
         dy_off = raw[1:].view(BT, M)

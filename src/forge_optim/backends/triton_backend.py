@@ -337,8 +337,9 @@ class LaunchPlan:
 class PingPongPlan(LaunchPlan):
     """LaunchPlan for the Gluon ping-pong kernel (a tuned table named it for this key): the first run goes
     through ``pingpong.launch`` (compiles, builds the W and state TMA descriptors), later ones only build
-    dY's and X's descriptors and launch the compiled kernel (``pingpong.relaunch``); ``by_class`` holds
-    (device, BT == 1, BT % 16 == 0) -> pingpong.launch's record. ``matches`` also asks what the kernel
+    dY's and X's descriptors and launch the compiled kernel (``pingpong.relaunch``, or, with FORGE_PP_ENCODED=1,
+    ``pingpong.EncodedRelaunch``); ``by_class`` holds (device, BT == 1, BT % 16 == 0) -> (pingpong.launch's
+    record, its EncodedRelaunch or None). ``matches`` also asks what the kernel
     needs of dY and X (16-byte aligned rows); a launch it refuses takes the optimizer's full path, whose
     backend picks the Triton kernel."""
 
@@ -356,8 +357,14 @@ class PingPongPlan(LaunchPlan):
         cls = (dev, bt == 1, bt & 15 == 0)
         rec = self.by_class.get(cls)
         if rec is not None and not _launch.hooks_active():
-            pingpong.relaunch(rec, dy, x, coeffs, grad_sign, key_weight, keys, dev)
+            record, encoded = rec
+            if encoded is not None:
+                encoded(dy, x, coeffs, grad_sign, key_weight, keys, dev)
+            else:
+                pingpong.relaunch(record, dy, x, coeffs, grad_sign, key_weight, keys, dev)
             return
         kw = dict(self.kwargs, dy=dy, x=x, coeffs=tuple(coeffs), grad_sign=grad_sign, key_weight=key_weight,
                   key_states=tuple(keys))
-        self.by_class[cls] = run_config(self.cfg, kw)
+        record = run_config(self.cfg, kw)
+        encoded = pingpong.EncodedRelaunch.make(record) if pingpong.ENCODED_RELAUNCH and len(coeffs) == 8 else None
+        self.by_class[cls] = (record, encoded)

@@ -29,6 +29,8 @@ kernel with new dY/X descriptors only (``relaunch``).
 """
 from __future__ import annotations
 
+import os
+
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -515,6 +517,10 @@ def _constexprs(cfg: PingPongConfig, update, has_nf: bool, w_bf16: bool, w_sr: b
                 CONSUMER_REGS=cfg.consumer_regs)
 
 
+# PingPongPlan re-launches through EncodedRelaunch (W's and the states' TMA descriptors encoded once per plan):
+# FORGE_PP_ENCODED=1, read at import, until measured on a GPU (NOTES thirty-first session)
+ENCODED_RELAUNCH = os.environ.get("FORGE_PP_ENCODED", "0") == "1"
+
 # positions in ``launch``'s argument list
 ARG_DY, ARG_X, ARG_COEFFS, ARG_GRAD_SIGN, ARG_KEYS = 0, 1, 10, 18, 19
 
@@ -586,6 +592,71 @@ def relaunch(record, dy, x, coeffs, grad_sign: float, key_weight: int, key_state
     a[ARG_KEYS:ARG_KEYS + 4] = [_i32(key_weight)] + [_i32(k) for k in key_states]
     compiled.run(nprog, 1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
                  compiled.packed_metadata, None, None, None, *a)
+
+
+class EncodedRelaunch:
+    """``relaunch`` without Triton's per-launch descriptor work. Triton's launcher (``CudaLauncher`` ->
+    ``wrap_handle_tensordesc``) expands every TensorDescriptor argument at every launch: a Python loop over
+    the ~44 arguments and one ``fill_tma_descriptor`` (cuTensorMapEncodeTiled) per descriptor, six here,
+    though W's and the states' are the same tensors at every step of a plan (the optimizer's fast path
+    checks their addresses). This encodes those four once, and per launch only dY's and X's, then calls
+    the launcher's C ``launch`` with the arguments Triton's wrapper would have built (tests/
+    test_pingpong_kernel.py compares the two argument lists). ``make`` returns None where the launcher is
+    not the one this was written against (triton 3.6's), or needs per-launch scratch memory: ``relaunch``
+    then serves. Off unless FORGE_PP_ENCODED=1 until its host time and bits are measured on a GPU."""
+
+    __slots__ = ("c_launch", "nprog", "function", "coop", "pdl", "packed", "rest", "dy_meta", "x_meta", "bk",
+                 "bm", "bn", "dy_layout", "x_layout", "p_coeffs", "p_keys")
+
+    @classmethod
+    def make(cls, record) -> "EncodedRelaunch | None":
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        compiled, nprog, args, (bk, bm, bn, dy_layout, x_layout) = record
+        run = compiled.run
+        inner = getattr(run, "launch", None)
+        try:
+            cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
+            c_launch, tmeta, tidx = cells["launcher"], cells["tensordesc_meta"], cells["tensordesc_indices"]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+        if (getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+                or getattr(run, "num_ctas", 1) != 1 or sorted(tidx)[:2] != [ARG_DY, ARG_X]):
+            return None
+        self = cls()
+        metas = dict(zip(sorted(tidx), tmeta))
+        rest, where = [], {}
+        for i, a in enumerate(args):
+            if i in (ARG_DY, ARG_X):
+                continue
+            where[i] = len(rest)
+            rest.extend(make_tensordesc_arg(a, metas[i]) if i in metas else [a])
+        if where[ARG_GRAD_SIGN] != where[ARG_COEFFS] + 8 or where[ARG_KEYS] != where[ARG_GRAD_SIGN] + 1:
+            return None
+        self.c_launch, self.nprog, self.function, self.packed = c_launch, nprog, compiled.function, compiled.packed_metadata
+        self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
+        self.rest, self.dy_meta, self.x_meta = rest, metas[ARG_DY], metas[ARG_X]
+        self.bk, self.bm, self.bn, self.dy_layout, self.x_layout = bk, bm, bn, dy_layout, x_layout
+        self.p_coeffs, self.p_keys = where[ARG_COEFFS], where[ARG_KEYS]
+        return self
+
+    def __call__(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states, device: int) -> None:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from .launch import _i32
+
+        rest = list(self.rest)
+        p = self.p_coeffs
+        rest[p:p + 9] = [float(c) for c in coeffs] + [float(grad_sign)]
+        rest[self.p_keys:self.p_keys + 4] = [_i32(key_weight)] + [_i32(k) for k in key_states]
+        self.c_launch(self.nprog, 1, 1, torch._C._cuda_getCurrentRawStream(device), self.function, self.coop,
+                      self.pdl, None, None, self.packed, None, None, None,
+                      *make_tensordesc_arg(TensorDescriptor.from_tensor(dy, [self.bk, self.bm], self.dy_layout),
+                                           self.dy_meta),
+                      *make_tensordesc_arg(TensorDescriptor.from_tensor(x, [self.bk, self.bn], self.x_layout),
+                                           self.x_meta),
+                      *rest)
 
 
 def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16, state_dtype=torch.bfloat16,
