@@ -202,8 +202,8 @@ def test_gpu_pingpong_nonfinite_count_and_guard():
 
 def test_encoded_relaunch_passes_the_launchers_own_arguments(monkeypatch):
     """EncodedRelaunch hands the launcher's C ``launch`` exactly the arguments Triton's own wrapper builds for
-    ``relaunch``'s call, with W's and the states' TMA descriptors encoded once per plan and dY's and X's at
-    every call (CPU: an offline-compiled kernel's signature and descriptor metadata, Triton's
+    ``relaunch``'s call, with W's and the states' TMA descriptors encoded once per plan and dY's and X's once
+    per address (CPU: an offline-compiled kernel's signature and descriptor metadata, Triton's
     ``wrap_handle_tensordesc`` around a recording C launch, a fake cuTensorMapEncodeTiled)."""
     import types
 
@@ -247,9 +247,8 @@ def test_encoded_relaunch_passes_the_launchers_own_arguments(monkeypatch):
                                   desc(x0, [cfg.BK, cfg.BN]).layout))
     enc = PP.EncodedRelaunch.make(record)
     assert enc is not None and len(encodes) == 4  # W and the states, once
-    for step in range(2):
-        dy = torch.randn(BT, M).bfloat16()
-        x = torch.randn(BT, N).bfloat16()
+    inputs = [(torch.randn(BT, M).bfloat16(), torch.randn(BT, N).bfloat16()) for _ in range(2)]
+    for step, (dy, x) in enumerate(inputs + inputs[:1]):  # the third call's dY and X are the first's
         coeffs = [0.1 * (i + step) for i in range(8)]
         keys = (11 + step, 12, 13, 0)
         PP.relaunch(record, dy, x, coeffs, -1.0, keys[0], keys[1:], 0)
@@ -259,7 +258,9 @@ def test_encoded_relaunch_passes_the_launchers_own_arguments(monkeypatch):
         for i, (a, b) in enumerate(zip(want, got)):
             assert a is b or (not isinstance(a, torch.Tensor) and a == b), (i, a, b)
         assert want[13][0] == "tma" and want[13][1] == dy.data_ptr()  # dY's descriptor comes first
-    assert len(encodes) == 4 + 2 * (6 + 2)  # relaunch: six per call; EncodedRelaunch: dY's and X's
+    # relaunch: six per call; EncodedRelaunch: dY's and X's, the first time it sees them
+    assert len(encodes) == 4 + 3 * 6 + 2 * 2
+    assert len(enc.inputs) == 2
 
 
 @pytest.mark.gpu

@@ -599,14 +599,18 @@ class EncodedRelaunch:
     ``wrap_handle_tensordesc``) expands every TensorDescriptor argument at every launch: a Python loop over
     the ~44 arguments and one ``fill_tma_descriptor`` (cuTensorMapEncodeTiled) per descriptor, six here,
     though W's and the states' are the same tensors at every step of a plan (the optimizer's fast path
-    checks their addresses). This encodes those four once, and per launch only dY's and X's, then calls
+    checks their addresses). This encodes those four once, and dY's and X's once per (address, shape,
+    strides): a compiled step's allocator tends to hand a layer's dY and X the same addresses every step,
+    and a descriptor is nothing but those numbers and the block's layout. Then it calls
     the launcher's C ``launch`` with the arguments Triton's wrapper would have built (tests/
     test_pingpong_kernel.py compares the two argument lists). ``make`` returns None where the launcher is
     not the one this was written against (triton 3.6's), or needs per-launch scratch memory: ``relaunch``
     then serves. Off unless FORGE_PP_ENCODED=1 until its host time and bits are measured on a GPU."""
 
     __slots__ = ("c_launch", "nprog", "function", "coop", "pdl", "packed", "rest", "dy_meta", "x_meta", "bk",
-                 "bm", "bn", "dy_layout", "x_layout", "p_coeffs", "p_keys")
+                 "bm", "bn", "dy_layout", "x_layout", "p_coeffs", "p_keys", "inputs")
+
+    INPUTS_KEPT = 8  # (dY, X) descriptor pairs kept per plan
 
     @classmethod
     def make(cls, record) -> "EncodedRelaunch | None":
@@ -638,6 +642,7 @@ class EncodedRelaunch:
         self.rest, self.dy_meta, self.x_meta = rest, metas[ARG_DY], metas[ARG_X]
         self.bk, self.bm, self.bn, self.dy_layout, self.x_layout = bk, bm, bn, dy_layout, x_layout
         self.p_coeffs, self.p_keys = where[ARG_COEFFS], where[ARG_KEYS]
+        self.inputs = {}  # (dY's and X's address, shape, strides) -> their expanded descriptor arguments
         return self
 
     def __call__(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states, device: int) -> None:
@@ -646,17 +651,20 @@ class EncodedRelaunch:
 
         from .launch import _i32
 
+        key = (dy.data_ptr(), *dy.shape, *dy.stride(), x.data_ptr(), *x.shape, *x.stride())
+        inputs = self.inputs.get(key)
+        if inputs is None:
+            if len(self.inputs) >= self.INPUTS_KEPT:
+                self.inputs.clear()
+            inputs = self.inputs[key] = (
+                *make_tensordesc_arg(TensorDescriptor.from_tensor(dy, [self.bk, self.bm], self.dy_layout), self.dy_meta),
+                *make_tensordesc_arg(TensorDescriptor.from_tensor(x, [self.bk, self.bn], self.x_layout), self.x_meta))
         rest = list(self.rest)
         p = self.p_coeffs
         rest[p:p + 9] = [float(c) for c in coeffs] + [float(grad_sign)]
         rest[self.p_keys:self.p_keys + 4] = [_i32(key_weight)] + [_i32(k) for k in key_states]
         self.c_launch(self.nprog, 1, 1, torch._C._cuda_getCurrentRawStream(device), self.function, self.coop,
-                      self.pdl, None, None, self.packed, None, None, None,
-                      *make_tensordesc_arg(TensorDescriptor.from_tensor(dy, [self.bk, self.bm], self.dy_layout),
-                                           self.dy_meta),
-                      *make_tensordesc_arg(TensorDescriptor.from_tensor(x, [self.bk, self.bn], self.x_layout),
-                                           self.x_meta),
-                      *rest)
+                      self.pdl, None, None, self.packed, None, None, None, *inputs, *rest)
 
 
 def compile_offline(cfg: PingPongConfig = DEFAULT_CONFIG, w_dtype=torch.bfloat16, state_dtype=torch.bfloat16,
