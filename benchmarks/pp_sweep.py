@@ -1,5 +1,6 @@
 """Ping-pong (Gluon) schedules against the shipped Triton tile, bf16 W and bf16 (or, with --modes int8, int8)
-m/v, AdamW, at BT=512 on the Llama-3.1-8B shapes (do_bench median, same run, rotating operands). Timing only:
+m/v, AdamW, at BT=512 on the Llama-3.1-8B shapes (do_bench median, same run, rotating operands); for bf16
+states this device's tabled Triton tile for the key is timed too, where it is not one of the two named. Timing only:
 bits are pingpong_check.py's and the GPU tests' job. do_bench times each call with the host launch path in the
 way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
@@ -27,6 +28,8 @@ from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
 from results_path import result_path  # noqa: E402  (benchmarks/ is the script directory)
+from pp_table import bf16_key  # noqa: E402
+from forge_optim.kernels import tuned  # noqa: E402
 
 TRITON = ["128x256x64 w16 s3 g8 p1 e8 tma la1", "64x128x64 w4 s3 g8 p3 e8 tma r168 ev"]
 TRITON_INT8 = ["128x256x64 w16 s3 g8 p1 e8 tma la1 ev", "256x128x64 w16 s3 g8 p1 e8 tma la1"]
@@ -82,6 +85,12 @@ def main():
         row = dict(shape=shape, BT=BT, states=mode, ms={})
         tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, slot_configs() if a.set == "slots" else pp_configs())
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
+        tab = tuned.load_table(res["device"]).get(bf16_key(M, N, BT)) if mode == "bf16" else None
+        if tab is not None and tab.get("kernel") != "pingpong" and L.KernelConfig(**tab).short() not in tnames:
+            # this device's tabled Triton tile for the key (the named two are the H100's best): the baseline
+            # pp_table.py compares with must be the best Triton tile this device has
+            cands.insert(0, ("triton tabled " + L.KernelConfig(**tab).short(),
+                             lambda c=L.KernelConfig(**tab): run("triton", W, views, *nxt(), nf, c)))
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
         for name, fn in cands:
             try:
