@@ -698,3 +698,58 @@ def test_repeated_tokens_step_like_their_coalesced_gradient(state_dtype):
     assert torch.equal(a.weight, b.weight)
     for key in opt_a.state[a.weight]:
         assert torch.equal(opt_a.state[a.weight][key], opt_b.state[b.weight][key]), key
+
+
+class _OpRecorder(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run inside it: (name, id of the first argument)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((str(func.overloadpacket.__name__), id(args[0]) if args else None))
+        return func(*args, **(kwargs or {}))
+
+    def names(self, host_tensors=()) -> set:
+        """The op names, less .item() of ``host_tensors`` (kept on the host on purpose: the step counters)."""
+        host = {id(t) for t in host_tensors}
+        return {n for n, a in self.ops if not (n == "_local_scalar_dense" and a in host)}
+
+
+# ops whose output size depends on tensor values: on CUDA each reads a count back to the host (a sync)
+_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "coalesce",
+                   "_coalesce", "item", "_local_scalar_dense", "embedding_sparse_backward"}
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_row_sparse_embedding_backward_and_step_run_no_op_with_a_data_dependent_size(padding_idx):
+    """Neither the embedding's backward (with a padding row too: torch's own sparse backward masks padding
+    tokens out, a host sync on CUDA) nor opt.step()'s row-sparse update runs an op whose output size the
+    host would have to read back; the padding row's entries carry a zero gradient, and the step still
+    equals torch.optim.AdamW's on the dense gradient."""
+    emb = nn.Embedding(30, 16, padding_idx=padding_idx)
+    ref = copy.deepcopy(emb)
+    opt = forge_optim.AdamW(emb, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    ids = torch.tensor([[2, 5, 2, 9], [5, 5, 0, 2]])
+    c = torch.randn(2, 4, 16)
+    for step in range(3):
+        rec = _OpRecorder()
+        with rec:
+            (emb(ids) * c).sum().backward()
+        assert emb.weight.grad.is_sparse
+        if padding_idx is not None:
+            g = emb.weight.grad.coalesce()
+            assert not g.values()[g.indices()[0].tolist().index(padding_idx)].any()
+        assert not _DATA_DEPENDENT & rec.names(), sorted(_DATA_DEPENDENT & rec.names())  # backward
+        rec = _OpRecorder()
+        with rec:
+            opt.step()
+        if step:  # (the first step makes its states from host constants)
+            ran = rec.names([opt.state[emb.weight]["step"]])  # (a CPU tensor whatever the device: no sync)
+            assert not _DATA_DEPENDENT & ran, sorted(_DATA_DEPENDENT & ran)
+        (ref(ids) * c).sum().backward()
+        ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    assert ((emb.weight - ref.weight).abs().max() / ref.weight.abs().max()).item() <= 1e-6

@@ -329,14 +329,27 @@ def fused_linear_traceable(x, weight, bias, weight_alias, handle_id: int):
 # Llama-3.1-8B a 2 GiB fp32 zero-fill, its bf16 cast and a gradient read in the dense update (~2-3 ms
 # of a BS=1 step). Here the compiled backward calls an opaque op that builds eager's sparse gradient
 # from (dY, indices) and accumulates it into ``weight.grad`` as autograd's AccumulateGrad would; the
-# traced formula returns no gradient for the weight.
+# traced formula returns no gradient for the weight. (Eager embeddings with a padding row take the same
+# formula: torch's own sparse backward syncs the host there.)
 _LIB.define("embedding_sparse_grad(Tensor grad_out, Tensor indices, int padding_idx, int handle_id) -> ()",
             tags=_GRAPH_UNSAFE)
 
 
+def sparse_rows_grad(grad_out: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int) -> torch.Tensor:
+    """The embedding's gradient as ``F.embedding(sparse=True)`` gives it (one entry per token, duplicates not
+    summed), but without a host sync: a padding token's entry carries a zero gradient, where torch's
+    sparse backward drops it with a boolean mask whose size the host must read back from the GPU. The
+    update is the same (the padding row's gradient is zero either way)."""
+    idx = indices.reshape(-1).long()
+    vals = grad_out.reshape(idx.numel(), grad_out.shape[-1])
+    if padding_idx >= 0:
+        vals = torch.where((idx != padding_idx).unsqueeze(1), vals, vals.new_zeros(()))
+    return torch.sparse_coo_tensor(idx.unsqueeze(0), vals, (num_weights, vals.shape[1]), check_invariants=False)
+
+
 def embedding_sparse_grad_op(grad_out: torch.Tensor, indices: torch.Tensor, padding_idx: int, handle_id: int) -> None:
     p = _handle(handle_id).param
-    g = torch.ops.aten.embedding_sparse_backward(grad_out, indices, p.shape[0], padding_idx, False)
+    g = sparse_rows_grad(grad_out, indices, p.shape[0], padding_idx)
     with torch.no_grad():
         p.grad = g if p.grad is None else p.grad + g
 
@@ -366,9 +379,10 @@ def _embedding_fake(indices, weight, padding_idx, handle_id):
     return weight.new_empty(*indices.shape, weight.shape[1])
 
 
-class _TracedEmbeddingGrad(torch.autograd.Function):
-    """The autograd formula of ``forge_optim::embedding``: the weight's gradient goes to ``weight.grad`` as
-    a sparse tensor through the side-effecting op; autograd gets none."""
+class EmbeddingRowsGrad(torch.autograd.Function):
+    """The autograd formula of ``forge_optim::embedding`` (and the eager form of an embedding with a padding
+    row, see ``sparse_rows_grad``): the weight's gradient goes to ``weight.grad`` as a sparse tensor through
+    the side-effecting op; autograd gets none."""
 
     @staticmethod
     def forward(ctx, indices, weight, padding_idx, handle_id):
@@ -385,7 +399,7 @@ class _TracedEmbeddingGrad(torch.autograd.Function):
 
 def _embedding_autograd(indices, weight, padding_idx, handle_id):
     if torch.is_grad_enabled() and weight.requires_grad:
-        return _TracedEmbeddingGrad.apply(indices, weight, padding_idx, handle_id)
+        return EmbeddingRowsGrad.apply(indices, weight, padding_idx, handle_id)
     return F.embedding(indices, weight)
 
 

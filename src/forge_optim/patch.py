@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import dtensor
-from .autograd import fused_linear, fused_linear_traceable, register_handle
+from .autograd import EmbeddingRowsGrad, fused_linear, fused_linear_traceable, register_handle
 
 
 class ForgeLinear(nn.Linear):
@@ -207,6 +207,10 @@ class ForgeEmbedding(nn.Embedding):
                 return torch.ops.forge_optim.embedding(input, self.weight, pad, link.id)
             return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                                self.scale_grad_by_freq, False)
+        if (link is not None and not self.sparse and self.padding_idx is not None and self.max_norm is None
+                and link.param is self.weight and torch.is_grad_enabled() and self.weight.requires_grad):
+            # torch's sparse backward would drop the padding tokens with a host sync (autograd.sparse_rows_grad)
+            return EmbeddingRowsGrad.apply(input, self.weight, self.padding_idx, link.id)
         sparse = self.sparse or link is not None
         return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, sparse)
