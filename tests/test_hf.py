@@ -214,3 +214,23 @@ def test_accelerate_accumulate_loop_is_exact():
     assert int(opt.state[h.param]["step"]) == 2 and h.buffer is None
     assert rel_diff(model, own_model) == 0.0
     assert rel_diff(after_first["forge"], after_first["torch"]) <= 1e-6
+
+
+def test_a_training_step_runs_no_op_that_would_sync_the_host():
+    """A FORGE step of a Llama (forward, backward with the fused updates, opt.step() for the embedding's rows
+    and the norms) runs no op whose output size depends on tensor values, and reads no tensor value on the
+    host but the step counters (CPU tensors on any device): on a GPU it never waits for the device."""
+    from test_invariants import _DATA_DEPENDENT, _OpRecorder
+
+    model = tiny_llama()
+    opt = forge_optim.AdamW(model, lr=1e-2, weight_decay=0.01)
+    for i, ids in enumerate(hf_batches(3)):
+        rec = _OpRecorder()
+        with rec:
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if i:  # (the first step makes the states from host constants)
+            ran = rec.names([st["step"] for st in opt.state.values() if "step" in st])
+            assert not _DATA_DEPENDENT & ran, sorted(_DATA_DEPENDENT & ran)
+    assert type(model.model.embed_tokens).__name__ == "ForgeEmbedding"
