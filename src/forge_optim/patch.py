@@ -192,7 +192,8 @@ class EmbeddingLink(LiveOnly):
 
 
 class ForgeEmbedding(nn.Embedding):
-    """nn.Embedding whose gradient is row-sparse, eager (``F.embedding(sparse=True)``) or compiled (the
+    """nn.Embedding whose gradient is row-sparse, eager (``F.embedding(sparse=True)``; with a padding row,
+    ``autograd.EmbeddingRowsGrad``, which does without torch's host sync) or compiled (the
     ``forge_optim::embedding`` op, whose backward builds the same sparse gradient outside inductor's
     graph); a copy of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense
     gradients again."""
