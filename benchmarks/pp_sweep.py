@@ -86,11 +86,11 @@ def main():
         tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, slot_configs() if a.set == "slots" else pp_configs())
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
         tab = tuned.load_table(res["device"]).get(bf16_key(M, N, BT)) if mode == "bf16" else None
-        if tab is not None and tab.get("kernel") != "pingpong" and L.KernelConfig(**tab).short() not in tnames:
+        tab = L.KernelConfig(**tab) if tab is not None and tab.get("kernel") != "pingpong" else None
+        if tab is not None and tab.short() not in tnames:
             # this device's tabled Triton tile for the key (the named two are the H100's best): the baseline
             # pp_table.py compares with must be the best Triton tile this device has
-            cands.insert(0, ("triton tabled " + L.KernelConfig(**tab).short(),
-                             lambda c=L.KernelConfig(**tab): run("triton", W, views, *nxt(), nf, c)))
+            cands.insert(0, ("triton tabled " + tab.short(), lambda c=tab: run("triton", W, views, *nxt(), nf, c)))
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
         for name, fn in cands:
             try:

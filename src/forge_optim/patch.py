@@ -202,17 +202,16 @@ class ForgeEmbedding(nn.Embedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         link = self._forge_live
-        if link is not None and not self.sparse and torch.compiler.is_compiling():
-            if self.max_norm is None and link.param is self.weight:  # (max_norm renormalizes W in forward)
-                pad = -1 if self.padding_idx is None else self.padding_idx
-                return torch.ops.forge_optim.embedding(input, self.weight, pad, link.id)
-            return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                               self.scale_grad_by_freq, False)
-        if (link is not None and not self.sparse and self.padding_idx is not None and self.max_norm is None
-                and link.param is self.weight and torch.is_grad_enabled() and self.weight.requires_grad):
+        # the optimizer's own gradient formula (max_norm renormalizes W in forward: left to F.embedding)
+        own = link is not None and not self.sparse and self.max_norm is None and link.param is self.weight
+        compiling = torch.compiler.is_compiling()
+        if own and compiling:
+            pad = -1 if self.padding_idx is None else self.padding_idx
+            return torch.ops.forge_optim.embedding(input, self.weight, pad, link.id)
+        if own and self.padding_idx is not None and torch.is_grad_enabled() and self.weight.requires_grad:
             # torch's sparse backward would drop the padding tokens with a host sync (autograd.sparse_rows_grad)
             return EmbeddingRowsGrad.apply(input, self.weight, self.padding_idx, link.id)
-        sparse = self.sparse or link is not None
+        sparse = self.sparse or (link is not None and not compiling)
         return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, sparse)
 

@@ -292,6 +292,13 @@ class LaunchPlan:
         #   -> (compiled, nprogs, args, meta, StaticLaunch or None)
         self.by_class: dict[tuple, tuple] = {}
 
+    def _kernel_keys(self, key_states: tuple) -> list:
+        """The states' random keys (job.states order) in the kernel's three slots."""
+        keys = [0, 0, 0]
+        for slot, k in zip(self.slots, key_states):
+            keys[slot] = k
+        return keys
+
     def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
         dsh, xsh = dy.shape, x.shape
         return (len(dsh) == 2 and len(xsh) == 2 and dsh[1] == self.M and xsh[1] == self.N and dsh[0] == xsh[0]
@@ -299,9 +306,7 @@ class LaunchPlan:
                 and dy.is_contiguous() and x.is_contiguous() and dy.device == self.device and x.device == self.device)
 
     def run(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states: tuple) -> None:
-        keys = [0, 0, 0]
-        for slot, k in zip(self.slots, key_states):
-            keys[slot] = k
+        keys = self._kernel_keys(key_states)
         kw = _i32(key_weight)
         ks = [_i32(k) for k in keys]
         direct = (not _INTERPRET and _launch.FAST_LAUNCH and 1 not in ks and kw != 1
@@ -349,9 +354,7 @@ class PingPongPlan(LaunchPlan):
     def run(self, dy, x, coeffs, grad_sign: float, key_weight: int, key_states: tuple) -> None:
         from ..kernels import pingpong
 
-        keys = [0, 0, 0]
-        for slot, k in zip(self.slots, key_states):
-            keys[slot] = k
+        keys = self._kernel_keys(key_states)
         dev = torch.cuda.current_device()
         bt = dy.shape[0]
         cls = (dev, bt == 1, bt & 15 == 0)
