@@ -40,7 +40,7 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "_peer_installed", lambda m: False)  # peers: reported, never run
     out = tmp_path / "run"
     rc = bench.main(["--device", "cpu", "--model", "tiny", "--batch-size", "2", "--seq-len", "32",
-                     "--steps", "3", "--warmup", "1", "--methods", "none,forge,torch-foreach-adamw,flashoptim",
+                     "--steps", "25", "--warmup", "1", "--methods", "none,forge,torch-foreach-adamw,flashoptim",
                      "--out-dir", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
@@ -53,14 +53,14 @@ def test_bench_cpu_end_to_end(tmp_path, capsys, monkeypatch):
     for m in ("none", "forge-bf16", "torch-foreach-adamw"):
         r = res["methods"][m]
         assert r["status"] == "ok", r
-        assert r["ms_median"] > 0 and len(r["ms_all"]) == 3 and r["ms_iqr"][0] <= r["ms_median"] <= r["ms_iqr"][1]
+        assert r["ms_median"] > 0 and len(r["ms_all"]) == 25 and r["ms_iqr"][0] <= r["ms_median"] <= r["ms_iqr"][1]
         assert r["tokens_per_s"] > 0 and r["tflops"] > 0
         assert r["ms_back_to_back"] > 0  # the same steps with no synchronize between them
         assert r["memory"] == "needs CUDA" and "peak_gib" not in r
         hc = r["host_cpu"]  # where the host's time went during the timed steps (Linux /proc)
-        assert hc["wall_s"] > 0 and hc["process_cpu_s"] > 0
-        # the busy threads (those that gained a clock tick, 10 ms: three tiny steps may gain none)
-        assert isinstance(hc["threads"], list) and (hc["threads"] or hc["process_cpu_s"] < 0.05), hc
+        # CPU time is counted in clock ticks (10 ms): 25 steps, so that the timed window spans several
+        # (three tiny steps sometimes gained none)
+        assert hc["wall_s"] > 0 and hc["threads"] and hc["process_cpu_s"] > 0, hc
         assert 0 <= hc["machine_busy_share"] <= 1
     assert res["methods"]["forge-bf16"]["fused_modules"] == 2 * 7 + 1
     assert res["methods"]["forge-bf16"]["kernel_configs"] == {}  # the torch backend ran: no kernel configs
