@@ -380,8 +380,8 @@ def _embedding_fake(indices, weight, padding_idx, handle_id):
 
 
 class EmbeddingRowsGrad(torch.autograd.Function):
-    """The autograd formula of ``forge_optim::embedding`` (and the eager form of an embedding with a padding
-    row, see ``sparse_rows_grad``): the weight's gradient goes to ``weight.grad`` as a sparse tensor through
+    """The autograd formula of ``forge_optim::embedding`` (compiled, and eager for an embedding with a
+    padding row, see ``sparse_rows_grad``): the weight's gradient goes to ``weight.grad`` as a sparse tensor through
     the side-effecting op; autograd gets none."""
 
     @staticmethod

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import dtensor
-from .autograd import EmbeddingRowsGrad, fused_linear, fused_linear_traceable, register_handle
+from .autograd import fused_linear, fused_linear_traceable, register_handle
 
 
 class ForgeLinear(nn.Linear):
@@ -192,10 +192,9 @@ class EmbeddingLink(LiveOnly):
 
 
 class ForgeEmbedding(nn.Embedding):
-    """nn.Embedding whose gradient is row-sparse, eager (``F.embedding(sparse=True)``; with a padding row,
-    ``autograd.EmbeddingRowsGrad``, which does without torch's host sync) or compiled (the
-    ``forge_optim::embedding`` op, whose backward builds the same sparse gradient outside inductor's
-    graph); a copy of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense
+    """nn.Embedding whose gradient is row-sparse: eager, ``F.embedding(sparse=True)``; compiled, or eager
+    with a padding row, the ``forge_optim::embedding`` op, whose backward builds the same sparse gradient
+    outside inductor's graph and without torch's host sync for padding tokens; a copy of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense
     gradients again."""
 
     _forge_live = None
@@ -205,12 +204,12 @@ class ForgeEmbedding(nn.Embedding):
         # the optimizer's own gradient formula (max_norm renormalizes W in forward: left to F.embedding)
         own = link is not None and not self.sparse and self.max_norm is None and link.param is self.weight
         compiling = torch.compiler.is_compiling()
-        if own and compiling:
+        if own and (compiling or self.padding_idx is not None):
+            # compiled: inductor cannot hold the sparse gradient, the op builds it outside the graph; eager
+            # with a padding row: torch's sparse backward would drop the padding tokens with a host sync
+            # (autograd.sparse_rows_grad)
             pad = -1 if self.padding_idx is None else self.padding_idx
             return torch.ops.forge_optim.embedding(input, self.weight, pad, link.id)
-        if own and self.padding_idx is not None and torch.is_grad_enabled() and self.weight.requires_grad:
-            # torch's sparse backward would drop the padding tokens with a host sync (autograd.sparse_rows_grad)
-            return EmbeddingRowsGrad.apply(input, self.weight, self.padding_idx, link.id)
         sparse = self.sparse or (link is not None and not compiling)
         return F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
                            self.scale_grad_by_freq, sparse)

@@ -343,8 +343,9 @@ class PingPongPlan(LaunchPlan):
     """LaunchPlan for the Gluon ping-pong kernel (a tuned table named it for this key): the first run goes
     through ``pingpong.launch`` (compiles, builds the W and state TMA descriptors), later ones only build
     dY's and X's descriptors and launch the compiled kernel (``pingpong.EncodedRelaunch``, or, where it
-    does not apply or with FORGE_PP_ENCODED=0, ``pingpong.relaunch``); ``by_class`` holds (device, BT == 1, BT % 16 == 0) -> (pingpong.launch's
-    record, its EncodedRelaunch or None). ``matches`` also asks what the kernel
+    does not apply or with FORGE_PP_ENCODED=0, ``pingpong.relaunch``); ``by_class`` holds
+    (device, BT == 1, BT % 16 == 0) -> (pingpong.launch's record, its EncodedRelaunch or None). ``matches``
+    also asks what the kernel
     needs of dY and X (16-byte aligned rows); a launch it refuses takes the optimizer's full path, whose
     backend picks the Triton kernel."""
 

@@ -30,7 +30,6 @@ kernel with new dY/X descriptors only (``relaunch``).
 from __future__ import annotations
 
 import os
-
 from dataclasses import asdict, dataclass, replace
 
 import torch
