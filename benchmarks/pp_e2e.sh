@@ -5,9 +5,8 @@
 # tiles alone), torch fused AdamW and `none` as the baselines.
 #   OLD_TABLE=build/old-h100.json [SEQ=512] [METHODS=...] [TEST_BUDGET=200] bash benchmarks/pp_e2e.sh OUTDIR
 set -u
-OUTD=$(realpath -m "${1:-${OUT:-/tmp/pp-e2e}}")
-mkdir -p "$OUTD"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_preamble.sh" "${1:-${OUT:-/tmp/pp-e2e}}"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=csv > "$OUTD/smi.txt"
 if [ "${TEST_BUDGET:-200}" != 0 ]; then
   timeout ${TEST_BUDGET:-200} python3 -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_pingpong_kernel.py \
@@ -15,17 +14,10 @@ if [ "${TEST_BUDGET:-200}" != 0 ]; then
   echo "pytest rc=$?" >> "$OUTD/gpu-tests.log"
   grep -E "PASSED|FAILED|ERROR|passed|failed|rc=" "$OUTD/gpu-tests.log"
 fi
-bench() {
-  python3 -m forge_optim.cli.main bench --device cuda --model Llama-3.1-8B --batch-size 1 --seq-len ${SEQ:-512} --compile \
-    --steps 10 --warmup 5 --profile-steps 2 --timeline-methods '' --no-plots --time-budget ${BUDGET:-300} \
-    --method-timeout 170 "$@" 2>&1 | grep -v "Warning\|warnings.warn"
-}
 EMPTY=$(mktemp -d) OLD=$(mktemp -d)
 NAME=$(python3 -c "import torch; from forge_optim.kernels import tuned; print(tuned.table_name(torch.cuda.get_device_name()))")
-FORGE_TUNED_DIR=$EMPTY bench --methods ${METHODS:-none,forge-bf16,forge-int8,torch-fused-adamw} --out "$OUTD/pingpong" \
-  | tee "$OUTD/pingpong.log" | tail -9
+FORGE_TUNED_DIR=$EMPTY compiled_bench pingpong ${METHODS:-none,forge-bf16,forge-int8,torch-fused-adamw}
 if [ -n "${OLD_TABLE:-}" ]; then
   cp "$OLD_TABLE" "$OLD/$NAME"
-  FORGE_TUNED_DIR=$OLD bench --methods forge-bf16,torch-fused-adamw --out "$OUTD/triton-only" \
-    | tee "$OUTD/triton-only.log" | tail -5
+  FORGE_TUNED_DIR=$OLD compiled_bench triton-only forge-bf16,torch-fused-adamw
 fi

@@ -6,9 +6,8 @@
 # shipped table, and measure with `OLD_TABLE=<the old one> bash benchmarks/pp_e2e.sh`).
 #   bash benchmarks/pp_h200_sweep.sh OUTDIR
 set -u
-source "$(dirname "$0")/device_preamble.sh" "$@"
-export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-OUTD=$OUTD TEST_BUDGET=${TEST_BUDGET:-150} source "$(dirname "$0")/pp_gpu_tests.sh"
+OUTD=${1:-${OUT:-/tmp/pp-h200}}
+TEST_BUDGET=${TEST_BUDGET:-150} source "$(dirname "$0")/pp_gpu_tests.sh"
 SHAPES=${SHAPES:-4096x4096,14336x4096,4096x14336,128256x4096}
 mkdir -p "$OUTD/bt512" "$OUTD/bt256"
 OUT="$OUTD/bt512" timeout ${SWEEP_BUDGET:-170} python3 benchmarks/pp_sweep.py --shapes $SHAPES --bts 512 2>&1 \
