@@ -2,7 +2,8 @@
 # One device call (about 6-7 minutes): the whole GPU test suite on the current code, then, on a GPU
 # that has no shipped tuned-config table (kernels/tuned/), the whole-weight table for Llama-3.1-8B's
 # shapes (benchmarks/tune_shapes.py, ~70-100 s) so that it can be shipped.
-#   bash benchmarks/gpu_suite_and_table.sh OUTDIR
+#   [TESTS="tests/a.py tests/b.py"] bash benchmarks/gpu_suite_and_table.sh OUTDIR
+# (the whole suite, 79 tests, runs past one 600 s call on a cold machine: split it with TESTS)
 set -u
 OUTD=${1:-${OUT:-/tmp/gpu-suite}}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -11,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,power.limit,clocks.max.sm --format=cs
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
   | tee "$OUTD/versions.txt"
 start=$(date +%s)
-timeout ${SUITE_TIMEOUT:-420} python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests 2>&1 \
+timeout ${SUITE_TIMEOUT:-420} python3 -m pytest -m gpu -p no:cacheprovider -q -rs ${TESTS:-tests} 2>&1 \
   | tee "$OUTD/gpu-tests.log" | tail -15
 echo "suite: $(( $(date +%s) - start )) s"
 TABLE=$(python3 -c "import torch; from forge_optim.kernels import tuned; \
