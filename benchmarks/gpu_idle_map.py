@@ -21,11 +21,9 @@ Writes ``idle.json`` (per method: totals, idle by phase, host-bound idle by op, 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -140,19 +138,12 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from forge_optim.bench_models import build_model, config_dict
-    from forge_optim.cli.bench import _make_method
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from profile_step import add_model_args, build_method, run_header
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="Llama-3.1-8B")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--methods", default="forge-bf16,torch-fused-adamw")
+    add_model_args(ap, "forge-bf16,torch-fused-adamw", "runs/idle")
     ap.add_argument("--steps", type=int, default=3, help="profiled synchronized steps (each mapped)")
-    ap.add_argument("--out-dir", default="runs/idle")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run (tiny model; no CUDA activity)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile(model) (default mode)")
     ap.add_argument("--keep-trace", action="store_true", help="also write each method's last chrome trace")
     ns = ap.parse_args()
     out = Path(ns.out_dir)
@@ -163,25 +154,10 @@ def main():
         if cuda:
             torch.cuda.synchronize()
 
-    import triton
-    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "triton": triton.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
-              "model": ns.model, "batch_size": ns.batch_size, "seq_len": ns.seq_len, "layers": ns.layers,
-              "compile": ns.compile, "methods": {}}
-    cfgd = config_dict(ns.model, None, ns.layers)
+    result = run_header(ns)
     for m in ns.methods.split(","):
         t = time.time()
-        torch.manual_seed(0)
-        model = build_model(cfgd, ns.device, torch.bfloat16)
-        opt, after, _info = _make_method(m, model, 1e-5, 0.1, ns.device)
-        run = torch.compile(model) if ns.compile else model
-        gen = torch.Generator(device=ns.device)
-        gen.manual_seed(1)
-
-        def batch():
-            return torch.randint(0, model.config.vocab_size, (ns.batch_size, ns.seq_len), device=ns.device,
-                                 generator=gen)
+        model, opt, after, run, batch = build_method(m, ns)
 
         def step(ids, mark=False):
             if not mark:
@@ -227,7 +203,7 @@ def main():
         brief = {k: maps[-1].get(k) for k in ("span_us", "busy_us", "lead_us", "tail_us", "gaps_us", "small_gaps_us",
                                               "idle_by_phase")}
         print(m, r["unprofiled_ms_median"], json.dumps(brief), flush=True)
-        del model, opt, after, run
+        model = opt = after = run = None  # free the model before the next method builds its own
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -163,42 +163,59 @@ def launch_cost(device="cuda", n=300):
     return res
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def add_model_args(ap: argparse.ArgumentParser, methods: str, out_dir: str) -> None:
+    """The model, batch and method flags this script shares with gpu_idle_map.py."""
     ap.add_argument("--model", default="Llama-3.1-8B")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--methods", default="none,forge-bf16,torch-fused-adamw")
-    ap.add_argument("--out-dir", default="runs/prof")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (tiny model, no launch cost)")
+    ap.add_argument("--methods", default=methods)
+    ap.add_argument("--out-dir", default=out_dir)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (tiny model)")
     ap.add_argument("--compile", action="store_true", help="torch.compile(model) for every method (default mode)")
+
+
+def run_header(ns) -> dict:
+    """What produced the figures: date, device, versions, command, model and batch."""
+    import triton
+    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "command": " ".join(sys.argv),
+            "model": ns.model, "batch_size": ns.batch_size, "seq_len": ns.seq_len, "layers": ns.layers,
+            "compile": ns.compile, "methods": {}}
+
+
+def build_method(m: str, ns):
+    """A fresh model with method ``m`` (the bench's setup): model, optimizer, the after-backward callable,
+    the (compiled) model to call, and a fresh-token batch maker."""
+    torch.manual_seed(0)
+    model = build_model(config_dict(ns.model, None, ns.layers), ns.device, torch.bfloat16)
+    opt, after, _info = _make_method(m, model, 1e-5, 0.1, ns.device)
+    run = torch.compile(model) if ns.compile else model
+    gen = torch.Generator(device=ns.device)
+    gen.manual_seed(1)
+
+    def batch():
+        return torch.randint(0, model.config.vocab_size, (ns.batch_size, ns.seq_len), device=ns.device,
+                             generator=gen)
+
+    return model, opt, after, run, batch
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    add_model_args(ap, "none,forge-bf16,torch-fused-adamw", "runs/prof")
     ap.add_argument("--no-launch-cost", action="store_true", help="skip the launch micro-timing")
     ns = ap.parse_args()
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    import triton
-    result = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "device": torch.cuda.get_device_name() if ns.device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-              "python": platform.python_version(), "command": " ".join(sys.argv), "model": ns.model,
-              "batch_size": ns.batch_size, "seq_len": ns.seq_len, "layers": ns.layers, "compile": ns.compile,
-              "methods": {}}
+    result = run_header(ns)
     if ns.device == "cuda" and not ns.no_launch_cost:
         result["launch_cost"] = launch_cost()
         print(json.dumps({k: v for k, v in result["launch_cost"].items() if k != "launch_cprofile"}), flush=True)
-    cfgd = config_dict(ns.model, None, ns.layers)
     for m in ns.methods.split(","):
         t = time.time()
-        torch.manual_seed(0)
-        model = build_model(cfgd, ns.device, torch.bfloat16)
-        opt, after, _info = _make_method(m, model, 1e-5, 0.1, ns.device)
-        run = torch.compile(model) if ns.compile else model
-        gen = torch.Generator(device=ns.device)
-        gen.manual_seed(1)
-
-        def batch():
-            return torch.randint(0, model.config.vocab_size, (ns.batch_size, ns.seq_len), device=ns.device,
-                                 generator=gen)
+        model, opt, after, run, batch = build_method(m, ns)
 
         def step(ids):
             loss = run(input_ids=ids, labels=ids).loss
@@ -218,7 +235,7 @@ def main():
         (out / f"{m}.txt").write_text(f"== {m}\n{json.dumps(r, indent=1)}\n\n== cProfile by own time (2 steps)\n"
                                       f"{py['tottime']}\n== cProfile cumulative\n{py['cumulative']}\n"
                                       f"== torch.profiler, 1 step, by self CPU\n{table}\n")
-        del model, opt, after
+        model = opt = after = run = None  # free the model before the next method builds its own
         gc.collect()
         torch.cuda.empty_cache()
     (out / "profile.json").write_text(json.dumps(result, indent=1))
