@@ -194,8 +194,8 @@ class EmbeddingLink(LiveOnly):
 class ForgeEmbedding(nn.Embedding):
     """nn.Embedding whose gradient is row-sparse: eager, ``F.embedding(sparse=True)``; compiled, or eager
     with a padding row, the ``forge_optim::embedding`` op, whose backward builds the same sparse gradient
-    outside inductor's graph and without torch's host sync for padding tokens; a copy of it (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense
-    gradients again."""
+    outside inductor's graph and without torch's host sync for padding tokens. A copy of it
+    (copy.deepcopy of the model, e.g. for a torch.optim baseline) gives dense gradients again."""
 
     _forge_live = None
 

@@ -345,9 +345,8 @@ class PingPongPlan(LaunchPlan):
     dY's and X's descriptors and launch the compiled kernel (``pingpong.EncodedRelaunch``, or, where it
     does not apply or with FORGE_PP_ENCODED=0, ``pingpong.relaunch``); ``by_class`` holds
     (device, BT == 1, BT % 16 == 0) -> (pingpong.launch's record, its EncodedRelaunch or None). ``matches``
-    also asks what the kernel
-    needs of dY and X (16-byte aligned rows); a launch it refuses takes the optimizer's full path, whose
-    backend picks the Triton kernel."""
+    also asks what the kernel needs of dY and X (16-byte aligned rows); a launch it refuses takes the
+    optimizer's full path, whose backend picks the Triton kernel."""
 
     def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
         return super().matches(dy, x) and dy.data_ptr() & 15 == 0 and x.data_ptr() & 15 == 0
