@@ -12,7 +12,7 @@ splits the step's span into GPU-busy time and idle gaps, and each gap into
 * *host-bound*: the kernel after the gap was launched after the GPU had gone idle (the GPU waited for
   the host), attributed to the phase (forward / backward / step, from record_function ranges on the
   main thread) and to the innermost CPU op around that launch, and
-* *device-side*: the launch was already queued (launch latency, stream waits, an event).
+* *queued*: the launch was already queued (launch latency, stream waits, an event).
 
 plus the lead (step start to first kernel) and the tail (last kernel to the step's closing sync).
 Writes ``idle.json`` (per method: totals, idle by phase, host-bound idle by op, the largest gaps).
@@ -41,7 +41,7 @@ PHASES = ("fwd", "bwd", "step")
 def idle_map(trace: dict, min_gap_us: float = 8.0, slack_us: float = 3.0, top: int = 15) -> dict:
     """Split a chrome trace of one synchronized step into GPU-busy time and idle gaps (see module doc).
 
-    ``trace``: torch.profiler's exported chrome trace (``traceEvents``). The step is the ``step``
+    ``trace``: torch.profiler's exported chrome trace (``traceEvents``). The step is the ``train_step``
     user annotation's span if present, else the span of the phase annotations. A gap is an interval
     of at least ``min_gap_us`` between the union of GPU intervals; it is host-bound when the next
     kernel's launch call started later than ``slack_us`` before the gap opened."""
@@ -100,7 +100,8 @@ def idle_map(trace: dict, min_gap_us: float = 8.0, slack_us: float = 3.0, top: i
         else:
             cur_e = max(cur_e, end)
     busy += cur_e - cur_s
-    small = (cur_e - gpu[0]["ts"]) - busy - sum(s - g for g, s, _ in gaps)
+    gap_total = sum(g1 - g0 for g0, g1, _ in gaps)
+    small = (cur_e - gpu[0]["ts"]) - busy - gap_total
     lead, tail = gpu[0]["ts"] - t0, t1 - cur_e
     by_phase = defaultdict(lambda: {"host_bound_us": 0.0, "queued_us": 0.0, "gaps": 0})
     by_op = defaultdict(lambda: [0.0, 0])
@@ -122,7 +123,7 @@ def idle_map(trace: dict, min_gap_us: float = 8.0, slack_us: float = 3.0, top: i
     rows.sort(key=lambda r: -r["gap_us"])
     out.update({
         "busy_us": round(busy, 1), "lead_us": round(lead, 1), "tail_us": round(tail, 1),
-        "gaps_us": round(sum(g1 - g0 for g0, g1, _ in gaps), 1), "n_gaps": len(gaps),
+        "gaps_us": round(gap_total, 1), "n_gaps": len(gaps),
         "small_gaps_us": round(small, 1), "min_gap_us": min_gap_us,
         "phases_us": {n: round(e - s, 1) for s, e, n in phase_iv},
         "idle_by_phase": {k: {kk: round(vv, 1) if isinstance(vv, float) else vv for kk, vv in v.items()}

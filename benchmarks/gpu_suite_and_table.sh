@@ -1,9 +1,9 @@
 #!/bin/bash
-# One device call (about 6-7 minutes): the whole GPU test suite on the current code, then, on a GPU
+# One device call: the GPU test suite on the current code (TESTS, default all of tests/), then, on a GPU
 # that has no shipped tuned-config table (kernels/tuned/), the whole-weight table for Llama-3.1-8B's
 # shapes (benchmarks/tune_shapes.py, ~70-100 s) so that it can be shipped.
 #   [TESTS="tests/a.py tests/b.py"] bash benchmarks/gpu_suite_and_table.sh OUTDIR
-# (the whole suite, 79 tests, runs past one 600 s call on a cold machine: split it with TESTS)
+# (the whole suite, 79 tests, ran past one 600 s call on a cold H100 on 2026-12-07: split it with TESTS)
 set -u
 OUTD=${1:-${OUT:-/tmp/gpu-suite}}
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
