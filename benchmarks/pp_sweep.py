@@ -5,7 +5,7 @@ bits are pingpong_check.py's and the GPU tests' job. do_bench times each call wi
 way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
     PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
-        [--set tabled|slots|resident]
+        [--set tabled|slots]
 Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
 """
 from __future__ import annotations
@@ -61,23 +61,13 @@ def slot_configs():
             C(BN=64, epi_n=2, stages=3, state_slots=6)]
 
 
-def resident_configs(bt: int):
-    """Schedules with dY resident in shared memory (pingpong.RESIDENT_CONFIGS with the fewest chunks that hold
-    ``bt`` tokens) beside the two-slot schedules the H100 table names at BT=256-1024."""
-    C = PP.PingPongConfig
-    chunks = min(c.dy_resident for c in PP.RESIDENT_CONFIGS if c.dy_resident * c.BK >= bt)
-    return ([C(BN=128, epi_n=4, stages=5, group_size=16), C(BN=128, epi_n=4, stages=5), C(BN=64, epi_n=2, stages=6)]
-            + [c for c in PP.RESIDENT_CONFIGS if c.dy_resident == chunks])
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,1024x4096,128256x4096")
     ap.add_argument("--bts", default="512")
     ap.add_argument("--modes", default="bf16", help="state modes: bf16 (pp_configs()), int8 (pingpong.INT8_CONFIGS)")
-    ap.add_argument("--set", default="tabled", choices=["tabled", "slots", "resident"],
-                    help="bf16 ping-pong schedules: tabled (pp_configs()), slots (slot_configs()) or resident "
-                         "(resident_configs(BT))")
+    ap.add_argument("--set", default="tabled", choices=["tabled", "slots"],
+                    help="bf16 ping-pong schedules: tabled (pp_configs()) or slots (slot_configs())")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
@@ -93,8 +83,7 @@ def main():
         views = make_states(mode, M, N, gen, RULE, GROUP)
         nf = torch.zeros((), dtype=torch.int64, device="cuda")
         row = dict(shape=shape, BT=BT, states=mode, ms={})
-        sets = dict(tabled=pp_configs, slots=slot_configs, resident=lambda: resident_configs(BT))
-        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, sets[a.set]())
+        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, slot_configs() if a.set == "slots" else pp_configs())
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
         tab = tuned.load_table(res["device"]).get(bf16_key(M, N, BT)) if mode == "bf16" else None
         tab = L.KernelConfig(**tab) if tab is not None and tab.get("kernel") != "pingpong" else None

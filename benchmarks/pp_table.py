@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.kernels.launch import bt_regime  # noqa: E402
 
-BY_NAME = {c.short(): c for c in PP.CANDIDATES + PP.RESIDENT_CONFIGS}
+BY_NAME = {c.short(): c for c in PP.CANDIDATES}
 
 
 def bf16_key(M: int, N: int, BT: int) -> str:

@@ -344,16 +344,9 @@ class PingPongPlan(LaunchPlan):
     through ``pingpong.launch`` (compiles, builds the W and state TMA descriptors), later ones only build
     dY's and X's descriptors and launch the compiled kernel (``pingpong.EncodedRelaunch``, or, where it
     does not apply or with FORGE_PP_ENCODED=0, ``pingpong.relaunch``); ``by_class`` holds
-    (device, BT == 1, BT % 16 == 0, BT within a resident-dY schedule's tokens) -> (pingpong.launch's record,
-    its EncodedRelaunch or None). ``matches``
+    (device, BT == 1, BT % 16 == 0) -> (pingpong.launch's record, its EncodedRelaunch or None). ``matches``
     also asks what the kernel needs of dY and X (16-byte aligned rows); a launch it refuses takes the
     optimizer's full path, whose backend picks the Triton kernel."""
-
-    def __init__(self, cfg, kwargs: dict, job: UpdateJob, dy: torch.Tensor, x: torch.Tensor):
-        super().__init__(cfg, kwargs, job, dy, x)
-        # a schedule with resident dY was compiled for at most this many tokens (pingpong.launch runs the
-        # streamed one above it: a different compiled kernel, so a different class)
-        self.resident_bt = cfg.dy_resident * cfg.BK if cfg.dy_resident else 1 << 62
 
     def matches(self, dy: torch.Tensor, x: torch.Tensor) -> bool:
         return super().matches(dy, x) and dy.data_ptr() & 15 == 0 and x.data_ptr() & 15 == 0
@@ -364,7 +357,7 @@ class PingPongPlan(LaunchPlan):
         keys = self._kernel_keys(key_states)
         dev = torch.cuda.current_device()
         bt = dy.shape[0]
-        cls = (dev, bt == 1, bt & 15 == 0, bt <= self.resident_bt)
+        cls = (dev, bt == 1, bt & 15 == 0)
         rec = self.by_class.get(cls)
         if rec is not None and not _launch.hooks_active():
             record, encoded = rec

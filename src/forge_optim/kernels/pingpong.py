@@ -53,41 +53,14 @@ _tile_coords = fused._tile_coords
 
 
 @gluon.jit
-def _tile_range(pid, num_tiles, NPROG, DYR: gl.constexpr):
-    """This program's tiles as range(first, end, step). Streamed dY (DYR == 0): every NPROG-th tile of the
-    swizzled order. dY kept in shared memory (DYR > 0): a contiguous run of row-major tiles, so that
-    consecutive tiles share their dY rows and the run changes rows only every num_pid_n tiles."""
-    if DYR > 0:
-        first = pid * num_tiles // NPROG
-        end = (pid + 1) * num_tiles // NPROG
-        step = pid * 0 + 1
-    else:
-        first = pid
-        end = num_tiles
-        step = NPROG
-    return first, end, step
-
-
-@gluon.jit
-def _coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE: gl.constexpr, DYR: gl.constexpr):
-    if DYR > 0:
-        return tile_id // num_pid_n, tile_id % num_pid_n
-    else:
-        return _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
-
-
-@gluon.jit
 def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
-        DYR: gl.constexpr):
-    """1 warp: the dY and X tiles of every tile of this program, in order, through the ring. With DYR > 0
-    only X goes through the ring: a row's dY block (DYR chunks of BK rows) is loaded once, when the run of
-    tiles enters that row (chunk kk after the last tile of the previous row has released it)."""
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
+    """1 warp: the dY and X tiles of every tile of this program, in order, through the ring."""
     pid = gl.program_id(0)
     BT = dy_desc.shape[0]
     k_tiles = gl.cdiv(BT, BK)
@@ -95,42 +68,28 @@ def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, 
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     nbytes: gl.constexpr = dy_desc.block_type.nbytes + x_desc.block_type.nbytes
-    first, end, step = _tile_range(pid, num_tiles, NPROG, DYR)
-    m_first = first // num_pid_n
     c = pid * 0  # a runtime counter (a literal 0 would be a constexpr)
-    for tile_id in range(first, end, step):
-        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE, DYR)
-        new_row = (tile_id == first) | (pid_n == 0)
-        row = pid_m - m_first  # rows entered so far: the phase of the dY chunks' barriers
+    for tile_id in range(pid, num_tiles, NPROG):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
         for kk in range(k_tiles):
-            if DYR > 0:
-                if new_row:
-                    mbarrier.wait(dy_empty.index(kk), (row & 1) ^ 1)
-                    mbarrier.expect(dy_ready.index(kk), dy_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(dy_desc, [kk * BK, pid_m * BM], dy_ready.index(kk),
-                                                    a_bufs.index(kk))
             s = c % STAGES
             ph = (c // STAGES) & 1
             # a fresh mbarrier counts as having completed the phase before phase 0
             mbarrier.wait(empty.index(s), ph ^ 1)
-            if DYR > 0:
-                mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(ready.index(s), nbytes)
-                tma.async_copy_global_to_shared(dy_desc, [kk * BK, pid_m * BM], ready.index(s), a_bufs.index(s))
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(dy_desc, [kk * BK, pid_m * BM], ready.index(s), a_bufs.index(s))
             tma.async_copy_global_to_shared(x_desc, [kk * BK, pid_n * BN], ready.index(s), b_bufs.index(s))
             c += 1
 
 
 @gluon.jit
 def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
-        DYR: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     """1 warp: W and the states of this program's tile j into slot (j mod SLOTS), as soon as the tile
     that used the slot before (j - SLOTS) has been stored. With SLOTS == 2 (one slot per consumer) that is
     while the consumer runs tile j's mainloop; with 3 or 4 the loads start one or two tiles earlier."""
@@ -139,10 +98,9 @@ def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_
     num_pid_n = gl.cdiv(N, BN)
     num_tiles = num_pid_m * num_pid_n
     SN: gl.constexpr = BN // EPI_N
-    first, end, step = _tile_range(pid, num_tiles, NPROG, DYR)
     j = pid * 0
-    for tile_id in range(first, end, step):
-        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE, DYR)
+    for tile_id in range(pid, num_tiles, NPROG):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
         slot = j % SLOTS
         mbarrier.wait(st_empty.index(slot), ((j // SLOTS) & 1) ^ 1)
         bar = st_ready.index(slot)
@@ -161,13 +119,12 @@ def _state_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_
 
 @gluon.jit
 def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
-        DYR: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     """One consumer warpgroup: the tiles of this program whose local index is ``cid`` mod 2."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN, 16])
@@ -184,14 +141,8 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
     # is reduced (and added to nf_ptr) once at the end: a reduction per slice cost ~10% (NOTES.md)
     SL: gl.constexpr = _split_n(gl.zeros((BM, BN), gl.float32, acc_layout), EPI_N)[0].type.layout
     bad = gl.zeros((BM, SN), gl.int32, SL)
-    first, end, step = _tile_range(pid, num_tiles, NPROG, DYR)
-    m_first = first // num_pid_n
-    for tile_id in range(first + cid * step, end, 2 * step):
-        pid_m, pid_n = _coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE, DYR)
-        # DYR > 0: the dY chunks hold this tile's row since the loader's (row)-th load of them; the run's last
-        # tile in a row releases them (mainloops run in tile order, so every earlier user is done)
-        row = pid_m - m_first
-        last_in_row = (tile_id + 1 == end) | (pid_n + 1 == num_pid_n)
+    for tile_id in range(pid + cid * NPROG, num_tiles, 2 * NPROG):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_SIZE)
         # The two consumers' mainloops take turns (CUTLASS's ordered math barrier): a consumer starts
         # only when the other has finished the previous tile's mainloop, so every ring slot is at
         # most one use behind the counter it is waited on with (a parity wait cannot alias).
@@ -206,27 +157,17 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
             s = c % STAGES
             ph = (c // STAGES) & 1
             mbarrier.wait(ready.index(s), ph)
-            if DYR > 0:
-                mbarrier.wait(dy_ready.index(kk), row & 1)
-                a = a_bufs.index(kk).permute((1, 0))  # [BM, BK] view of the row's kk-th [BK, BM] dY chunk
-            else:
-                a = a_bufs.index(s).permute((1, 0))  # [BM, BK] view of the [BK, BM] dY tile
+            a = a_bufs.index(s).permute((1, 0))  # [BM, BK] view of the [BK, BM] dY tile
             b = b_bufs.index(s)  # [BK, BN]
             acc = warpgroup_mma(a, b, acc, is_async=True)
             # at most one wgmma in flight: the previous stage is free again
             acc = warpgroup_mma_wait(1, deps=(acc,))
             if kk > 0:
                 mbarrier.arrive(empty.index(prev_s), count=1)
-                if DYR > 0:
-                    if last_in_row:
-                        mbarrier.arrive(dy_empty.index(kk - 1), count=1)
             prev_s = s
             c += 1
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index(prev_s), count=1)
-        if DYR > 0:
-            if last_in_row:
-                mbarrier.arrive(dy_empty.index(k_tiles - 1), count=1)
         mbarrier.arrive(order.index(1 - cid), count=1)  # the other consumer's mainloop may start
         c += k_tiles  # skip the other consumer's tile in the ring
 
@@ -361,32 +302,30 @@ def _store_state(buf, value, hoff, key, sc_ptr, soff, smask, KIND: gl.constexpr,
 
 @gluon.jit
 def _consumer0(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
-        DYR: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     _consume(0, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS, DYR)
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)
 
 
 @gluon.jit
 def _consumer1(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
         UPDATE: gl.constexpr, HAS_NF: gl.constexpr, W_BF16: gl.constexpr, W_SR: gl.constexpr,
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
-        DYR: gl.constexpr):
+        GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr):
     _consume(1, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS, DYR)
+        UPDATE, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)
 
 
 @gluon.jit(do_not_specialize=["M", "NPROG", "key_w", "key_s0", "key_s1", "key_s2"])
@@ -397,13 +336,9 @@ def forge_pingpong_kernel(
         S0: gl.constexpr, S1: gl.constexpr, S2: gl.constexpr, S_SR: gl.constexpr,
         BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
         GROUP_SIZE: gl.constexpr, EPI_N: gl.constexpr, ST_BYTES: gl.constexpr, SLOTS: gl.constexpr,
-        DYR: gl.constexpr,
         CONSUMER_REGS: gl.constexpr):
     SN: gl.constexpr = BN // EPI_N
-    if DYR > 0:
-        a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [DYR, BK, BM], dy_desc.layout)
-    else:
-        a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BM], dy_desc.layout)
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BK, BM], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BK, BN], x_desc.layout)
     # SLOTS slots (tiles in flight) of EPI_N column slices of W and of each state
     w_bufs = gl.allocate_shared_memory(w_desc.dtype, [SLOTS * EPI_N, BM, SN], w_desc.layout)
@@ -424,9 +359,6 @@ def forge_pingpong_kernel(
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     st_ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     st_empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
-    NDY: gl.constexpr = DYR if DYR > 0 else 1
-    dy_ready = gl.allocate_shared_memory(gl.int64, [NDY, 1], mbarrier.MBarrierLayout())
-    dy_empty = gl.allocate_shared_memory(gl.int64, [NDY, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -435,29 +367,26 @@ def forge_pingpong_kernel(
     for i in gl.static_range(SLOTS):
         mbarrier.init(st_ready.index(i), count=1)
         mbarrier.init(st_empty.index(i), count=1)
-    for i in gl.static_range(NDY):
-        mbarrier.init(dy_ready.index(i), count=1)
-        mbarrier.init(dy_empty.index(i), count=1)
     fence_async_shared()
     # a JITFunction must be wrapped to travel in the partitions' argument tuples
     U: gl.constexpr = gl.constexpr(UPDATE)
     gl.warp_specialize([
         (_consumer0, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS, DYR)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_consumer1, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS, DYR)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_operand_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS, DYR)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
         (_state_loader, (dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
-        ready, empty, order, st_ready, st_empty, dy_ready, dy_empty, nf_ptr, M, N, NPROG,
+        ready, empty, order, st_ready, st_empty, nf_ptr, M, N, NPROG,
         c0, c1, c2, c3, c4, c5, c6, c7, grad_sign, key_w, key_s0, key_s1, key_s2, sc0_ptr, sc1_ptr, sc2_ptr, NSB,
-        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS, DYR)),
+        U, HAS_NF, W_BF16, W_SR, S0, S1, S2, S_SR, BM, BN, BK, STAGES, GROUP_SIZE, EPI_N, ST_BYTES, SLOTS)),
     ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
 
 
@@ -482,35 +411,20 @@ class PingPongConfig:
     # tiles whose W and states are in shared memory at once. 2: one per consumer, so a consumer's next
     # tile is loaded only after its last one is stored; 3-4 start those loads a tile or two earlier
     state_slots: int = 2
-    # dY kept in shared memory for a run of tiles in one row (DYR chunks of BK rows, so BT <= dy_resident * BK;
-    # 0: dY streamed with X through the ring). Each program then takes a contiguous run of row-major tiles,
-    # and per tile only X (BN columns) comes from L2: at 64x128 and BT=512 that is 128 KB a tile instead of
-    # 192 KB. A launch with more tokens runs the streamed kernel (``for_tokens``).
-    dy_resident: int = 0
 
     def short(self) -> str:
         return (f"pingpong {self.BM}x{self.BN}x{self.BK} s{self.stages} g{self.group_size} e{self.epi_n} "
                 f"r{self.consumer_regs} p{self.progs_per_sm}{f' m{self.maxnreg}' if self.maxnreg else ''}"
-                f"{f' t{self.state_slots}' if self.state_slots != 2 else ''}"
-                f"{f' dy{self.dy_resident}' if self.dy_resident else ''}")
+                f"{f' t{self.state_slots}' if self.state_slots != 2 else ''}")
 
     def tile_bytes(self, w_bytes: int, state_bytes: int) -> int:
         """W and the states of one tile (state_bytes: bytes per element, summed over the states)."""
         return self.BM * self.BN * (w_bytes + state_bytes)
 
     def smem_bytes(self, w_bytes: int, state_bytes: int) -> int:
-        """Shared memory: the dY/X ring (X only, plus the resident dY chunks, with ``dy_resident``) plus
-        ``state_slots`` slots of a tile's W and states."""
-        ring = self.stages * self.BK * (self.BN if self.dy_resident else self.BM + self.BN) * 2
-        return (ring + self.dy_resident * self.BK * self.BM * 2
-                + self.state_slots * self.tile_bytes(w_bytes, state_bytes) + 1024)
-
-    def for_tokens(self, bt: int) -> "PingPongConfig":
-        """The schedule that runs ``bt`` tokens: this one, or without resident dY where ``bt`` needs more
-        chunks than it holds (the same bits either way: each tile's K order does not change)."""
-        if self.dy_resident and -(-bt // self.BK) > self.dy_resident:
-            return replace(self, dy_resident=0)
-        return self
+        """Shared memory: the dY/X ring plus ``state_slots`` slots of a tile's W and states."""
+        return (self.stages * self.BK * (self.BM + self.BN) * 2 + self.state_slots * self.tile_bytes(w_bytes, state_bytes)
+                + 1024)
 
 
 DEFAULT_CONFIG = PingPongConfig()
@@ -528,15 +442,6 @@ CANDIDATES = ([PingPongConfig(BN=64, epi_n=2, stages=6)]
               + [PingPongConfig(BN=64, epi_n=2, stages=6, state_slots=4),
                  PingPongConfig(BN=64, epi_n=2, stages=5, state_slots=5),
                  PingPongConfig(BN=128, epi_n=4, stages=3, group_size=16, state_slots=3)])
-
-# dY resident in shared memory (``dy_resident`` chunks of 64 tokens: 8 for BT <= 512, 4 for BT <= 256), X alone
-# through the ring. Not measured on a GPU yet (benchmarks/pp_resident.sh): neither a table nor the tuner names them.
-RESIDENT_CONFIGS = ([PingPongConfig(BN=128, epi_n=e, stages=s, dy_resident=8) for e, s in ((4, 4), (4, 3), (8, 4), (2, 4))]
-                    + [PingPongConfig(BN=64, epi_n=2, stages=s, state_slots=t, dy_resident=8)
-                       for s, t in ((8, 2), (6, 3), (6, 4), (4, 5))]
-                    + [PingPongConfig(BN=128, epi_n=4, stages=s, state_slots=t, dy_resident=4) for s, t in ((6, 2), (3, 3))]
-                    + [PingPongConfig(BN=64, epi_n=2, stages=s, state_slots=t, dy_resident=4)
-                       for s, t in ((8, 3), (6, 5))])
 
 # int8 states need one-scale-block-wide epilogue slices (BN // epi_n == 64); spills 24 B and 548 B at sm_90a.
 # Bit-identical to the Triton kernel on an H100 (test_gpu_pingpong_int8_writes_the_triton_kernels_bits) but
@@ -557,7 +462,7 @@ SMEM_LIMIT = 227 * 1024  # per SM; a program gets SMEM_LIMIT // progs_per_sm
 
 def fit_config(cfg: PingPongConfig, w_bytes: int, state_bytes: int) -> PingPongConfig | None:
     """cfg with fewer ring stages (down to 2), then fewer state slots (down to 2), then half-width tiles,
-    then streamed dY, until shared memory fits."""
+    until shared memory fits."""
     while cfg.smem_bytes(w_bytes, state_bytes) > SMEM_LIMIT // cfg.progs_per_sm:
         if cfg.stages > 2:
             cfg = replace(cfg, stages=cfg.stages - 1)
@@ -565,8 +470,6 @@ def fit_config(cfg: PingPongConfig, w_bytes: int, state_bytes: int) -> PingPongC
             cfg = replace(cfg, state_slots=cfg.state_slots - 1)
         elif cfg.BN > 64:
             cfg = replace(cfg, BN=cfg.BN // 2, epi_n=max(1, cfg.epi_n // 2))
-        elif cfg.dy_resident:
-            cfg = replace(cfg, dy_resident=0)
         else:
             return None
     return cfg
@@ -610,7 +513,7 @@ def _constexprs(cfg: PingPongConfig, update, has_nf: bool, w_bf16: bool, w_sr: b
     return dict(UPDATE=update, HAS_NF=has_nf, W_BF16=w_bf16, W_SR=w_sr, S0=kinds[0], S1=kinds[1], S2=kinds[2],
                 S_SR=s_sr, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, STAGES=cfg.stages, GROUP_SIZE=cfg.group_size,
                 EPI_N=cfg.epi_n, ST_BYTES=cfg.tile_bytes(w_bytes, state_bytes), SLOTS=cfg.state_slots,
-                DYR=cfg.dy_resident, CONSUMER_REGS=cfg.consumer_regs)
+                CONSUMER_REGS=cfg.consumer_regs)
 
 
 # PingPongPlan re-launches through EncodedRelaunch (W's and the states' TMA descriptors encoded once per plan):
@@ -630,7 +533,7 @@ def launch(*, weight, dy, x, rule_update, coeffs=(0.0,) * 8, states=(None, None,
     M, N = weight.shape
     sdata = [v.data if v is not None else None for v in states]
     state_bytes = sum(t.element_size() for t in sdata if t is not None)
-    cfg = fit_config(config.for_tokens(dy.shape[0]), weight.element_size(), state_bytes)
+    cfg = fit_config(config, weight.element_size(), state_bytes)
     if cfg is None:
         raise ValueError("ping-pong kernel: W and states do not fit in shared memory")
     sn = cfg.BN // cfg.epi_n
