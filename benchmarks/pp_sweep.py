@@ -5,7 +5,7 @@ bits are pingpong_check.py's and the GPU tests' job. do_bench times each call wi
 way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
     PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
-        [--set tabled|slots]
+        [--set tabled|slots] [--configs 'BN=128,BK=32,stages=10;...' (PingPongConfig fields; replaces --set)]
 Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
 """
 from __future__ import annotations
@@ -68,7 +68,12 @@ def main():
     ap.add_argument("--modes", default="bf16", help="state modes: bf16 (pp_configs()), int8 (pingpong.INT8_CONFIGS)")
     ap.add_argument("--set", default="tabled", choices=["tabled", "slots"],
                     help="bf16 ping-pong schedules: tabled (pp_configs()) or slots (slot_configs())")
+    ap.add_argument("--configs", default="",
+                    help="explicit ping-pong schedules instead of --set: ';'-separated PingPongConfig fields, e.g. "
+                         "'BN=128,BK=32,epi_n=4,stages=10,group_size=16;BN=64,stages=6'")
     a = ap.parse_args()
+    explicit = [PP.PingPongConfig(**{k: int(v) for k, v in (f.split("=") for f in c.split(","))})
+                for c in a.configs.split(";") if c.strip()]
     gen = torch.Generator(device="cuda").manual_seed(0)
     known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
     res = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -83,7 +88,7 @@ def main():
         views = make_states(mode, M, N, gen, RULE, GROUP)
         nf = torch.zeros((), dtype=torch.int64, device="cuda")
         row = dict(shape=shape, BT=BT, states=mode, ms={})
-        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, slot_configs() if a.set == "slots" else pp_configs())
+        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, explicit or (slot_configs() if a.set == "slots" else pp_configs()))
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
         tab = tuned.load_table(res["device"]).get(bf16_key(M, N, BT)) if mode == "bf16" else None
         tab = L.KernelConfig(**tab) if tab is not None and tab.get("kernel") != "pingpong" else None
