@@ -1,11 +1,14 @@
 """Ping-pong (Gluon) schedules against the shipped Triton tile, bf16 W and bf16 (or, with --modes int8, int8)
 m/v, AdamW, at BT=512 on the Llama-3.1-8B shapes (do_bench median, same run, rotating operands); for bf16
-states this device's tabled Triton tile for the key is timed too, where it is not one of the two named. Timing only:
-bits are pingpong_check.py's and the GPU tests' job. do_bench times each call with the host launch path in the
+states this device's tabled Triton tile for the key is timed too, where it is not one of the two named. With --check-bits,
+each ping-pong schedule is first run once beside the Triton kernel (the tests' reference tile) on clones of the same
+W, states and inputs, and the row records whether every byte of W, the states and the non-finite count agreed
+(`bits_equal`): a schedule that no test names can be read off a sweep only where that holds. do_bench times each call with the host launch path in the
 way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
     PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
         [--set tabled|slots] [--configs 'BN=128,BK=32,stages=10;...' (PingPongConfig fields; replaces --set)]
+        [--check-bits]
 Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_kernel import make_states, rotating_inputs  # noqa: E402
+from forge_optim.backends.base import StateView  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
@@ -42,6 +46,37 @@ def run(kernel, W, views, dy, x, nf, cfg):
     kw = dict(weight=W, dy=dy, x=x, rule_update=RULE.triton_update, coeffs=COEFFS, states=tuple(views) + (None,),
               nonfinite=nf, stochastic_weight=True, stochastic_state=True, key_weight=11, key_states=(22, 33, 0))
     return PP.launch(config=cfg, **kw) if kernel == "pingpong" else L.launch(config=cfg, **kw)
+
+
+def parse_configs(text: str) -> list:
+    """'BN=128,BK=32,stages=10;BN=64' -> [PingPongConfig(BN=128, BK=32, stages=10), PingPongConfig(BN=64)]."""
+    out = []
+    for c in text.split(";"):
+        if not c.strip():
+            continue
+        fields = {}
+        for f in c.split(","):
+            k, _, v = f.partition("=")
+            if k.strip() not in PP.PingPongConfig.__dataclass_fields__ or not v.strip().isdigit():
+                raise SystemExit(f"--configs: {f!r} is not FIELD=INT for a PingPongConfig field "
+                                 f"({', '.join(PP.PingPongConfig.__dataclass_fields__)})")
+            fields[k.strip()] = int(v)
+        out.append(PP.PingPongConfig(**fields))
+    return out
+
+
+def same_bits(cfg, W, views, dy, x) -> bool:
+    """Does ``cfg`` write the Triton reference tile's bytes (W, every state and scale, the non-finite count) from
+    the same inputs? Both run on clones: the tensors being timed are not touched."""
+    outs = []
+    for kernel, c in (("pingpong", cfg), ("triton", L.GPU_TEST_CONFIG)):
+        W2 = W.clone()
+        v2 = [StateView(v.spec, v.data.clone(), None if v.scale is None else v.scale.clone()) for v in views]
+        nf = torch.zeros((), dtype=torch.int64, device=W.device)
+        run(kernel, W2, v2, dy, x, nf, c)
+        outs.append([W2, nf] + [t for v in v2 for t in (v.data, v.scale) if t is not None])
+    torch.cuda.synchronize()
+    return all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) for a, b in zip(*outs))
 
 
 def pp_configs():
@@ -71,9 +106,10 @@ def main():
     ap.add_argument("--configs", default="",
                     help="explicit ping-pong schedules instead of --set: ';'-separated PingPongConfig fields, e.g. "
                          "'BN=128,BK=32,epi_n=4,stages=10,group_size=16;BN=64,stages=6'")
+    ap.add_argument("--check-bits", action="store_true",
+                    help="run each ping-pong schedule once beside the Triton reference tile first: row['bits_equal']")
     a = ap.parse_args()
-    explicit = [PP.PingPongConfig(**{k: int(v) for k, v in (f.split("=") for f in c.split(","))})
-                for c in a.configs.split(";") if c.strip()]
+    explicit = parse_configs(a.configs)
     gen = torch.Generator(device="cuda").manual_seed(0)
     known = {c.short(): c for c in L.ALL_TUNED_CONFIGS}
     res = dict(date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -97,6 +133,15 @@ def main():
             # pp_table.py compares with must be the best Triton tile this device has
             cands.insert(0, ("triton tabled " + tab.short(), lambda c=tab: run("triton", W, views, *nxt(), nf, c)))
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
+        if a.check_bits:
+            dy0, x0 = nxt()
+            row["bits_equal"] = {}
+            for c in pps:
+                try:
+                    row["bits_equal"][c.short()] = same_bits(c, W, views, dy0, x0)
+                except Exception as err:  # noqa: BLE001
+                    row["bits_equal"][c.short()] = repr(err)[:200]
+            print(f"{shape:>12} BT={BT:<5} {mode} bits equal to the Triton tile: {row['bits_equal']}", flush=True)
         for name, fn in cands:
             try:
                 fn()

@@ -370,3 +370,49 @@ def test_gpu_pingpong_int8_writes_the_triton_kernels_bits(shape, cfg):
         assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bfloat16 else a.view(torch.int16),
                            b.view(torch.uint8) if b.dtype != torch.bfloat16 else b.view(torch.int16))
     assert out["pingpong"][5] == out["triton"][5] == N
+
+
+def _pp_sweep():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))  # pp_sweep imports its neighbours (bench_kernel, pp_table, results_path)
+    spec = importlib.util.spec_from_file_location("pp_sweep", bench / "pp_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pp_sweep_reads_explicit_schedules_and_refuses_unknown_fields():
+    S = _pp_sweep()
+    assert S.parse_configs("BN=128,BK=32,epi_n=4,stages=10;BN=64; ") == [
+        PP.PingPongConfig(BN=128, BK=32, epi_n=4, stages=10), PP.PingPongConfig(BN=64)]
+    assert S.parse_configs("") == []
+    with pytest.raises(SystemExit, match="'stage=3' is not FIELD=INT"):
+        S.parse_configs("BN=128,stage=3")
+    with pytest.raises(SystemExit, match="FIELD=INT"):
+        S.parse_configs("BN=wide")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the ping-pong kernel needs Hopper (sm_90)")
+def test_gpu_pp_sweep_bit_check_tells_a_matching_schedule_from_a_different_update(monkeypatch):
+    """pp_sweep.py --check-bits: a schedule the bit tests pass reads True and leaves the timed tensors as they
+    were; the same schedule fed twice the gradient (a different update of m and v) reads False."""
+    S = _pp_sweep()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    M, N, BT = 1000, 3008, 512
+    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
+    W = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
+    views = list(_adamw_views((torch.randn(M, N, device="cuda", generator=g) * 1e-2).bfloat16(),
+                              (torch.randn(M, N, device="cuda", generator=g) * 1e-2).square().bfloat16())[:2])
+    W0, m0 = W.clone(), views[0].data.clone()
+    assert S.same_bits(CPU_CONFIGS[0], W, views, dy, x) is True
+    assert torch.equal(W, W0) and torch.equal(views[0].data, m0)
+    run = S.run
+    monkeypatch.setattr(S, "run", lambda kernel, W2, v2, dy2, *rest: run(kernel, W2, v2, dy2 * 2 if kernel == "pingpong"
+                                                                       else dy2, *rest))
+    assert S.same_bits(CPU_CONFIGS[0], W, views, dy, x) is False
