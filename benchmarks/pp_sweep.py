@@ -133,6 +133,7 @@ def main():
             # pp_table.py compares with must be the best Triton tile this device has
             cands.insert(0, ("triton tabled " + tab.short(), lambda c=tab: run("triton", W, views, *nxt(), nf, c)))
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
+        row["configs"] = {c.short(): PP.table_dict(c) for c in pps}  # pp_table.py builds a winner from these
         if a.check_bits:
             dy0, x0 = nxt()
             row["bits_equal"] = {}

@@ -372,17 +372,49 @@ def test_gpu_pingpong_int8_writes_the_triton_kernels_bits(shape, cfg):
     assert out["pingpong"][5] == out["triton"][5] == N
 
 
-def _pp_sweep():
+def _bench_module(name):
     import importlib.util
     import sys
     from pathlib import Path
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))  # pp_sweep imports its neighbours (bench_kernel, pp_table, results_path)
-    spec = importlib.util.spec_from_file_location("pp_sweep", bench / "pp_sweep.py")
+    sys.path.insert(0, str(bench))  # the scripts import their neighbours (bench_kernel, pp_table, results_path)
+    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _pp_sweep():
+    return _bench_module("pp_sweep")
+
+
+def test_pp_table_takes_only_bit_checked_or_tested_schedules():
+    """pp_table.py: a CANDIDATES schedule may be tabled from its timing; a schedule no test names only where the
+    sweep's --check-bits found its bytes equal (its config read from the sweep row); a failed check never."""
+    T = _bench_module("pp_table")
+    known = PP.CANDIDATES[0]
+    new = PP.PingPongConfig(BN=64, epi_n=2, stages=10)
+    assert new not in PP.CANDIDATES
+    table = dict(device="GPU", entries=[])
+
+    def sweep(ms, bits=None, shape="4096x4096"):
+        row = dict(shape=shape, BT=512, states="bf16", ms=dict(ms, **{"triton 128x256x64 w16": 0.100}),
+                   configs={new.short(): PP.table_dict(new), known.short(): PP.table_dict(known)})
+        if bits is not None:
+            row["bits_equal"] = bits
+        return dict(device="GPU", date="2026-12-07", command="pp_sweep.py", rows=[row])
+
+    # the untested schedule is fastest but unchecked: the known one is tabled
+    out, changes = T.apply(table, [sweep({new.short(): 0.080, known.short(): 0.090})], "why", 0.03)
+    assert out["entries"][0]["config"] == PP.table_dict(PP.fit_config(known, 2, 4)), changes
+    # checked and equal: the new schedule is tabled from the row's config, with a reminder
+    out, changes = T.apply(table, [sweep({new.short(): 0.080, known.short(): 0.090},
+                                         {new.short(): True, known.short(): True})], "why", 0.03)
+    assert PP.from_table(out["entries"][0]["config"]) == new and "CANDIDATES" in changes[0]
+    # a failed check excludes even a CANDIDATES schedule
+    out, changes = T.apply(table, [sweep({known.short(): 0.080}, {known.short(): False})], "why", 0.03)
+    assert out["entries"] == [] and changes == []
 
 
 def test_pp_sweep_reads_explicit_schedules_and_refuses_unknown_fields():
