@@ -1,10 +1,11 @@
 """Ping-pong (Gluon) schedules against the shipped Triton tile, bf16 W and bf16 (or, with --modes int8, int8)
 m/v, AdamW, at BT=512 on the Llama-3.1-8B shapes (do_bench median, same run, rotating operands); for bf16
-states this device's tabled Triton tile for the key is timed too, where it is not one of the two named. With --check-bits,
-each ping-pong schedule is first run once beside the Triton kernel (the tests' reference tile) on clones of the same
-W, states and inputs, and the row records whether every byte of W, the states and the non-finite count agreed
-(`bits_equal`): a schedule that no test names can be read off a sweep only where that holds. do_bench times each call with the host launch path in the
-way, which can only make the ping-pong look slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
+states this device's tabled Triton tile for the key is timed too, where it is not one of the two named.
+With --check-bits, each ping-pong schedule first runs once beside the Triton kernel (the tests' reference tile) on
+clones of the same W, states and inputs, and the row records whether every byte of W, the states and the
+non-finite count agreed (`bits_equal`): a schedule that no test names can be read off a sweep only where that
+holds. do_bench times each call with the host launch path in the way, which can only make the ping-pong look
+slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
     PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
         [--set tabled|slots] [--configs 'BN=128,BK=32,stages=10;...' (PingPongConfig fields; replaces --set)]
@@ -124,7 +125,8 @@ def main():
         views = make_states(mode, M, N, gen, RULE, GROUP)
         nf = torch.zeros((), dtype=torch.int64, device="cuda")
         row = dict(shape=shape, BT=BT, states=mode, ms={})
-        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, explicit or (slot_configs() if a.set == "slots" else pp_configs()))
+        bf16_set = explicit or (slot_configs() if a.set == "slots" else pp_configs())
+        tnames, pps = (TRITON_INT8, PP.INT8_CONFIGS) if mode == "int8" else (TRITON, bf16_set)
         cands = [("triton " + n, lambda c=known[n]: run("triton", W, views, *nxt(), nf, c)) for n in tnames]
         tab = tuned.load_table(res["device"]).get(bf16_key(M, N, BT)) if mode == "bf16" else None
         tab = L.KernelConfig(**tab) if tab is not None and tab.get("kernel") != "pingpong" else None
