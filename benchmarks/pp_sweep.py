@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from bench_kernel import make_states, rotating_inputs  # noqa: E402
-from forge_optim.backends.base import StateView  # noqa: E402
+from forge_optim.backends.triton_backend import _clone_view  # noqa: E402
 from forge_optim.kernels import launch as L  # noqa: E402
 from forge_optim.kernels import pingpong as PP  # noqa: E402
 from forge_optim.rules import RULES  # noqa: E402
@@ -72,7 +72,7 @@ def same_bits(cfg, W, views, dy, x) -> bool:
     outs = []
     for kernel, c in (("pingpong", cfg), ("triton", L.GPU_TEST_CONFIG)):
         W2 = W.clone()
-        v2 = [StateView(v.spec, v.data.clone(), None if v.scale is None else v.scale.clone()) for v in views]
+        v2 = [_clone_view(v) for v in views]
         nf = torch.zeros((), dtype=torch.int64, device=W.device)
         run(kernel, W2, v2, dy, x, nf, c)
         outs.append([W2, nf] + [t for v in v2 for t in (v.data, v.scale) if t is not None])

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -180,3 +183,18 @@ def bf16_accumulation_matches_reference(backend: str, device: str = "cpu") -> No
     ref.step()
     assert all(opt._handles[n].buffer is None for n in fused)
     assert rel_diff(model, ref_model) <= 1e-5
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the scripts are not a package). Their folder goes on sys.path first, as
+    when they run: some import their neighbours (bench_kernel, pp_table, results_path)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses and pickling look the module up by name
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,18 +1,14 @@
 """CPU tests of benchmarks/fidelity.py on tiny settings (the GPU study runs the same code paths)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("fidelity", ROOT / "benchmarks" / "fidelity.py")
-fidelity = importlib.util.module_from_spec(_spec)
-sys.modules["fidelity"] = fidelity
-_spec.loader.exec_module(fidelity)
+from helpers import load_benchmark
+
+fidelity = load_benchmark("fidelity")
 
 RULES = ["AdamW", "Adam", "NAdam", "RAdam", "Lion", "RMSprop", "Adagrad", "SGD"]
 

@@ -1,11 +1,7 @@
 """CPU tests of benchmarks/gpu_idle_map.py's split of a step's chrome trace into GPU-busy time and idle gaps."""
-import importlib.util
-from pathlib import Path
+from helpers import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("gpu_idle_map", ROOT / "benchmarks" / "gpu_idle_map.py")
-gpu_idle_map = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_idle_map)
+gpu_idle_map = load_benchmark("gpu_idle_map")
 
 
 def _x(name, cat, ts, dur, tid=1, **args):

@@ -1,13 +1,9 @@
 """CPU tests of benchmarks/merge_tuned.py, the script that merges a re-tune into a shipped config table."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("merge_tuned", ROOT / "benchmarks" / "merge_tuned.py")
-merge_tuned = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(merge_tuned)
+from helpers import load_benchmark
+
+merge_tuned = load_benchmark("merge_tuned")
 
 
 def _entry(key, timings):

@@ -1,13 +1,9 @@
 """CPU tests of benchmarks/ncu_sass.py, the summary of an Nsight Compute SASS source page."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("ncu_sass", ROOT / "benchmarks" / "ncu_sass.py")
-ncu_sass = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ncu_sass)
+from helpers import load_benchmark
+
+ncu_sass = load_benchmark("ncu_sass")
 
 HDR = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_barrier",
        "stall_long_sb", "stall_long_sb (Not Issued)"]

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 gluon = pytest.importorskip("triton.experimental.gluon")
 
 from forge_optim.kernels import pingpong as PP  # noqa: E402
+from helpers import load_benchmark  # noqa: E402
 
 CPU_CONFIGS = [PP.PingPongConfig(BN=64, epi_n=2, stages=6),
                PP.PingPongConfig(BN=64, epi_n=4, stages=3, consumer_regs=112, progs_per_sm=2, maxnreg=80),
@@ -372,27 +373,10 @@ def test_gpu_pingpong_int8_writes_the_triton_kernels_bits(shape, cfg):
     assert out["pingpong"][5] == out["triton"][5] == N
 
 
-def _bench_module(name):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))  # the scripts import their neighbours (bench_kernel, pp_table, results_path)
-    spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _pp_sweep():
-    return _bench_module("pp_sweep")
-
-
 def test_pp_table_takes_only_bit_checked_or_tested_schedules():
     """pp_table.py: a CANDIDATES schedule may be tabled from its timing; a schedule no test names only where the
     sweep's --check-bits found its bytes equal (its config read from the sweep row); a failed check never."""
-    T = _bench_module("pp_table")
+    T = load_benchmark("pp_table")
     known = PP.CANDIDATES[0]
     new = PP.PingPongConfig(BN=64, epi_n=2, stages=10)
     assert new not in PP.CANDIDATES
@@ -418,7 +402,7 @@ def test_pp_table_takes_only_bit_checked_or_tested_schedules():
 
 
 def test_pp_sweep_reads_explicit_schedules_and_refuses_unknown_fields():
-    S = _pp_sweep()
+    S = load_benchmark("pp_sweep")
     assert S.parse_configs("BN=128,BK=32,epi_n=4,stages=10;BN=64; ") == [
         PP.PingPongConfig(BN=128, BK=32, epi_n=4, stages=10), PP.PingPongConfig(BN=64)]
     assert S.parse_configs("") == []
@@ -433,7 +417,7 @@ def test_pp_sweep_reads_explicit_schedules_and_refuses_unknown_fields():
 def test_gpu_pp_sweep_bit_check_tells_a_matching_schedule_from_a_different_update(monkeypatch):
     """pp_sweep.py --check-bits: a schedule the bit tests pass reads True and leaves the timed tensors as they
     were; the same schedule fed twice the gradient (a different update of m and v) reads False."""
-    S = _pp_sweep()
+    S = load_benchmark("pp_sweep")
     g = torch.Generator(device="cuda").manual_seed(3)
     M, N, BT = 1000, 3008, 512
     dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
