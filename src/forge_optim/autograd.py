@@ -67,20 +67,53 @@ def input_grad(grad_out: torch.Tensor, w: torch.Tensor, x_dtype: torch.dtype) ->
     return dx if dx.dtype == x_dtype else dx.to(x_dtype)
 
 
-class FusedLinearFunction(torch.autograd.Function):
+class SavedOperands(torch.autograd.Function):
+    """Saves a fused linear's GEMM operands before the GEMM runs and hands them on (autocast's casts
+    made here); its backward passes dX through. Used only while saved-tensor hooks are active.
+
+    Why: a non-reentrant activation checkpoint's recompute stops at the pack of the block's last saved
+    tensor. nn.Linear's autograd packs its operands before its GEMM, so the block's last linear is never
+    recomputed; an autograd.Function packs what it saved when its forward returns, after the GEMM, so
+    FusedLinearFunction alone recomputed that GEMM (Llama-3.1-8B's down_proj: 32 extra 8192x14336x4096
+    GEMMs, 4% of a BS=16 step on an H100; NOTES.md thirty-fifth session)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, handle, use):
+    def forward(ctx, x, weight, bias):
+        ctx.set_materialize_grads(False)  # the weight's gradient is never formed: no W-sized zeros
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        if torch.is_autocast_enabled(x.device.type):
+        x, w, bias = autocast_operands(x, weight, bias)
+        ctx.save_for_backward(x, w)
+        return x, w, bias
+
+    @staticmethod
+    def backward(ctx, dx, dw, db):
+        if dx is not None and dx.dtype != ctx.x_dtype:
+            dx = dx.to(ctx.x_dtype)
+        if db is not None and db.dtype != ctx.bias_dtype:
+            db = db.to(ctx.bias_dtype)
+        return dx, None, db
+
+
+class FusedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, handle, use, operands):
+        # operands: SavedOperands' node, which saved (X, W) already and cast them; else this saves them
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if operands is None and torch.is_autocast_enabled(x.device.type):
             x, w, bias = autocast_operands(x, weight, bias)
             with torch.autocast(x.device.type, enabled=False):
                 out = F.linear(x, w, bias)
-        else:  # no autocast context to enter and leave: ~10 us less per layer on the host
+        elif operands is None:  # no autocast context to enter and leave: ~10 us less per layer on the host
             w = weight
             out = F.linear(x, w, bias)
-        ctx.save_for_backward(x, w)
-        ctx.handle, ctx.use = handle, use
+        else:
+            with torch.autocast(x.device.type, enabled=False):
+                out = F.linear(x, weight, bias)
+        if operands is None:
+            ctx.save_for_backward(x, w)
+        ctx.handle, ctx.use, ctx.operands = handle, use, operands
         return out
 
     @staticmethod
@@ -94,23 +127,25 @@ class FusedLinearFunction(torch.autograd.Function):
                 "through a fused layer: its backward updates the weight in place and never forms the gradient "
                 "a second backward would differentiate. Exclude the module from fusion (exclude=['...'] when "
                 "creating the optimizer); nothing was updated")
-        x, w = ctx.saved_tensors
+        ops = ctx.operands
+        x, w = ctx.saved_tensors if ops is None else ops.saved_tensors
         dx = db = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and (ops is None or ops.needs_input_grad[0]):
             dx = input_grad(grad_out, w, ctx.x_dtype)
-        if ctx.needs_input_grad[2]:
+        if ctx.needs_input_grad[2] and (ops is None or ops.needs_input_grad[2]):
             if grad_out.dim() == 1:  # an unbatched input: sum(()) would sum over every dimension
                 db = grad_out.to(ctx.bias_dtype, copy=True)
             else:
                 db = grad_out.sum(tuple(range(grad_out.dim() - 1)), dtype=torch.float32).to(ctx.bias_dtype)
         ctx.handle.consume(grad_out, x, ctx.use)
-        return dx, None, db, None, None
+        return dx, None, db, None, None, None
 
 
 # autograd.Function.apply is a Python wrapper around the C++ apply that only matters under functorch
 # transforms (vmap, grad), which the fused linear refuses anyway, or with a setup_context (this Function
 # has none). It costs ~7 us per call on a 2-core CPU, ~25% of a small layer's forward on the host.
 _C_APPLY = super(torch.autograd.Function, FusedLinearFunction).apply
+_C_APPLY_OPERANDS = super(torch.autograd.Function, SavedOperands).apply
 
 
 def fused_linear(x, weight, bias, handle):
@@ -121,7 +156,13 @@ def fused_linear(x, weight, bias, handle):
             "grad, jacrev, ...) with gradients enabled: its backward updates the weight in place instead of "
             "returning a gradient. Run the transform under torch.no_grad(), or exclude the module "
             "(exclude=[...]) or unpatch the model first")
-    return _C_APPLY(x, weight, bias, handle, handle.new_use())
+    use = handle.new_use()
+    if (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None and torch.is_grad_enabled()
+            and not dtensor.is_dtensor(weight)):
+        # saved-tensor hooks (an activation checkpoint, save_on_cpu): pack X and W before the GEMM
+        x, weight, bias = _C_APPLY_OPERANDS(x, weight, bias)
+        return _C_APPLY(x, weight, bias, handle, use, x.grad_fn)
+    return _C_APPLY(x, weight, bias, handle, use, None)
 
 
 # ----- torch.compile form -------------------------------------------------------------------------
