@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import forge_optim
-from helpers import adam_bound, rel_diff
+from helpers import ReusedLinear, adam_bound, rel_diff
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,6 +141,45 @@ def test_saved_tensor_hooks_give_the_same_weights_as_none(hooks, autocast):
         assert torch.equal(p, q), name
     for h in opt._handles.values():
         assert h.pending_fwd == 0 and h.pending_rec == 0 and h.buffer is None
+
+
+class _CheckpointedReuse(torch.nn.Module):
+    """A weight used twice inside one checkpointed block, then a head outside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = ReusedLinear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x, ckpt):
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False) if ckpt else self.block(x)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("case", ["plain", "frozen", "accumulate"])
+def test_checkpointed_reused_weight_steps_as_without_checkpoint(case):
+    """Pending uses of a weight used twice in a checkpointed block (recompute included) end in the
+    same single update as without the checkpoint; also with a frozen weight and under accumulate()."""
+    models = []
+    for ckpt in (True, False):
+        torch.manual_seed(0)
+        model = _CheckpointedReuse()
+        if case == "frozen":
+            model.block.b.weight.requires_grad_(False)
+        opt = forge_optim.AdamW(model, lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        for step in range(3):
+            xs = [torch.randn(4, 8, generator=g, requires_grad=step % 2 == 0) for _ in range(2)]
+            if case == "accumulate":
+                with opt.accumulate():
+                    model(xs[0], ckpt).square().mean().backward()
+            model(xs[1], ckpt).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for h in opt._handles.values():
+            assert h.pending_fwd == 0 and h.pending_rec == 0 and h.buffer is None
+        models.append(model)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_autocast_bf16_trains_and_tracks_torch():
