@@ -5,7 +5,8 @@ The weight gradient is never returned to autograd, so a fused weight's ``.grad``
 
 Two forms of the same thing:
 - eager: :class:`FusedLinearFunction` (an autograd.Function); a graph that is never
-  backpropagated releases its pending use when it is freed.
+  backpropagated releases its pending use when it is freed. Under saved-tensor hooks (activation
+  checkpointing) :class:`SavedOperands` saves its operands first, before the GEMM.
 - under torch.compile: the ``forge_optim::fused_linear`` op (torch.library, defined at the
   dispatcher's level) with an Autograd kernel whose backward computes dX = dY W as ordinary traced
   ops and then calls the opaque, mutating ``forge_optim::fused_linear_update`` op with dX as an
@@ -101,16 +102,12 @@ class FusedLinearFunction(torch.autograd.Function):
         # operands: SavedOperands' node, which saved (X, W) already and cast them; else this saves them
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        if operands is None and torch.is_autocast_enabled(x.device.type):
-            x, w, bias = autocast_operands(x, weight, bias)
+        x, w, bias = (x, weight, bias) if operands is not None else autocast_operands(x, weight, bias)
+        if torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
                 out = F.linear(x, w, bias)
-        elif operands is None:  # no autocast context to enter and leave: ~10 us less per layer on the host
-            w = weight
+        else:  # no autocast context to enter and leave: ~10 us less per layer on the host
             out = F.linear(x, w, bias)
-        else:
-            with torch.autocast(x.device.type, enabled=False):
-                out = F.linear(x, weight, bias)
         if operands is None:
             ctx.save_for_backward(x, w)
         ctx.handle, ctx.use, ctx.operands = handle, use, operands
