@@ -154,8 +154,7 @@ def fused_linear(x, weight, bias, handle):
             "returning a gradient. Run the transform under torch.no_grad(), or exclude the module "
             "(exclude=[...]) or unpatch the model first")
     use = handle.new_use()
-    if (torch._C._autograd._top_saved_tensors_default_hooks(False) is not None and torch.is_grad_enabled()
-            and not dtensor.is_dtensor(weight)):
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None and torch.is_grad_enabled():
         # saved-tensor hooks (an activation checkpoint, save_on_cpu): pack X and W before the GEMM
         x, weight, bias = _C_APPLY_OPERANDS(x, weight, bias)
         return _C_APPLY(x, weight, bias, handle, use, x.grad_fn)
