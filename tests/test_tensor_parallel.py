@@ -48,7 +48,8 @@ def _max_rel(model, ref):
                for a, r in zip(model.parameters(), ref.parameters()))
 
 
-def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
+def _worker(rank, world, tmp, layout, state_dtype, save_checkpoint, q):
+    store_path, ckpt_dir = os.path.join(tmp, "store"), os.path.join(tmp, "ckpt") if save_checkpoint else ""
     try:
         import forge_optim
         from torch.distributed.device_mesh import init_device_mesh
@@ -114,18 +115,23 @@ def _worker(rank, world, store_path, layout, state_dtype, ckpt_dir, q):
             dist.destroy_process_group()
 
 
-def _run(world, layout, state_dtype="fp32", checkpoint=False):
+def _spawn(target, world, *args):
+    """``target(rank, world, tmp, *args, queue)`` on ``world`` spawned ranks sharing the folder ``tmp``
+    (the gloo store, a checkpoint); each rank's queued result, in arrival order."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = os.path.join(tmp, "ckpt") if checkpoint else ""
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), layout, state_dtype, ckpt, q))
-                 for r in range(world)]
+        procs = [ctx.Process(target=target, args=(r, world, tmp, *args, q)) for r in range(world)]
         for p in procs:
             p.start()
         results = [q.get(timeout=300) for _ in procs]
         for p in procs:
             p.join(timeout=60)
+    return results
+
+
+def _run(world, layout, state_dtype="fp32", checkpoint=False):
+    results = _spawn(_worker, world, layout, state_dtype, checkpoint)
     errors = [r[3] for r in results if r[3]]
     assert not errors, errors[0]
     return results
@@ -154,7 +160,8 @@ def test_tp_int8_state_round_trips_through_dcp():
         assert resumed == 0.0, (rank, resumed)
 
 
-def _mixed_worker(rank, world, store_path, q):
+def _mixed_worker(rank, world, tmp, q):
+    store_path = os.path.join(tmp, "store")
     try:
         import sys
 
@@ -188,21 +195,13 @@ def _mixed_worker(rank, world, store_path, q):
 
 
 def test_tp_by_dp_mesh_fuses_tp_and_refuses_dp():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_mixed_worker, args=(r, 4, os.path.join(tmp, "store"), q)) for r in range(4)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    for rank, n_fused, msg in results:
+    for rank, n_fused, msg in _spawn(_mixed_worker, 4):
         assert n_fused == 15, (rank, n_fused, msg)
         assert "FSDP" in msg or "fully_shard" in msg, (rank, msg)
 
 
-def _checkpoint_worker(rank, world, store_path, layout, q):
+def _checkpoint_worker(rank, world, tmp, layout, q):
+    store_path = os.path.join(tmp, "store")
     try:
         import sys
 
@@ -240,16 +239,6 @@ def test_tp_with_activation_checkpointing_steps_as_without(layout):
     """DTensor shards under a non-reentrant checkpoint (the fused linear's operands saved by a separate
     node before its GEMM, so the recompute skips each block's last linear): the same weights, bit for
     bit, as the same TP training without the checkpoint."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_checkpoint_worker, args=(r, 2, os.path.join(tmp, "store"), layout, q))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        results = [q.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-    for rank, same, clean, err in results:
+    for rank, same, clean, err in _spawn(_checkpoint_worker, 2, layout):
         assert err is None, err
         assert same and clean, (rank, same, clean)
