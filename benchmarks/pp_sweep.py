@@ -9,7 +9,9 @@ slower at small shapes (pp_b2b.py, NOTES twenty-ninth session).
 
     PYTHONPATH=src python3 benchmarks/pp_sweep.py [--shapes 4096x4096,...] [--bts 512] [--modes bf16,int8]
         [--set tabled|slots] [--configs 'BN=128,BK=32,stages=10;...' (PingPongConfig fields; replaces --set)]
-        [--check-bits]
+        [--check-bits] [--wgrad]
+With --wgrad, cuBLAS's wgrad GEMM alone (``dY.t() @ X`` into a preallocated bf16 G, the same rotating inputs) is
+timed in the same row (``ms["wgrad cublas"]``, ``pp_over_wgrad``): issue 3's (b).
 Writes $OUT/pp_sweep.json (else benchmarks/results/pp-sweep-<date>.json).
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from forge_optim.kernels import tuned  # noqa: E402
 
 TRITON = ["128x256x64 w16 s3 g8 p1 e8 tma la1", "64x128x64 w4 s3 g8 p3 e8 tma r168 ev"]
 TRITON_INT8 = ["128x256x64 w16 s3 g8 p1 e8 tma la1 ev", "256x128x64 w16 s3 g8 p1 e8 tma la1"]
+WGRAD = "wgrad cublas"
 RULE = RULES["AdamW"]
 GROUP = dict(RULE.defaults, lr=1e-3, weight_decay=0.1)
 COEFFS = RULE.padded(RULE.coefficients(GROUP, {}, 10))
@@ -109,6 +112,7 @@ def main():
                          "'BN=128,BK=32,epi_n=4,stages=10,group_size=16;BN=64,stages=6'")
     ap.add_argument("--check-bits", action="store_true",
                     help="run each ping-pong schedule once beside the Triton reference tile first: row['bits_equal']")
+    ap.add_argument("--wgrad", action="store_true", help="also time cuBLAS's dY.t() @ X alone (issue 3's (b))")
     a = ap.parse_args()
     explicit = parse_configs(a.configs)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -135,6 +139,13 @@ def main():
             # pp_table.py compares with must be the best Triton tile this device has
             cands.insert(0, ("triton tabled " + tab.short(), lambda c=tab: run("triton", W, views, *nxt(), nf, c)))
         cands += [(c.short(), lambda c=c: run("pingpong", W, views, *nxt(), nf, c)) for c in pps]
+        if a.wgrad:
+            G = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+
+            def wgrad(G=G):
+                d, xx = nxt()
+                torch.mm(d.t(), xx, out=G)
+            cands.insert(0, (WGRAD, wgrad))
         row["configs"] = {c.short(): PP.table_dict(c) for c in pps}  # pp_table.py builds a winner from these
         if a.check_bits:
             dy0, x0 = nxt()
@@ -154,13 +165,16 @@ def main():
                 row["ms"][name] = repr(err)[:200]
         t = {k: v for k, v in row["ms"].items() if isinstance(v, float)}
         bt = min(v for k, v in t.items() if k.startswith("triton"))
-        pp_t = {k: v for k, v in t.items() if not k.startswith("triton")}
+        pp_t = {k: v for k, v in t.items() if not k.startswith("triton") and k != WGRAD}
         if pp_t:
             bp_name = min(pp_t, key=pp_t.get)
             row.update(best_triton_ms=bt, best_pp=bp_name, best_pp_ms=t[bp_name], pp_over_triton=t[bp_name] / bt)
+            if WGRAD in t:
+                row.update(pp_over_wgrad=t[bp_name] / t[WGRAD], triton_over_wgrad=bt / t[WGRAD])
             top = sorted((v, k) for k, v in t.items())[:5]
             print(f"{shape:>12} BT={BT:<5} {mode} triton {bt:.4f}  best pp {t[bp_name]:.4f} ({bp_name})  "
-                  f"ratio {t[bp_name] / bt:.3f}  top5 {[(k, round(v, 4)) for v, k in top]}", flush=True)
+                  f"ratio {t[bp_name] / bt:.3f}  "
+                  f"{f'vs wgrad {t[bp_name] / t[WGRAD]:.3f} (triton {bt / t[WGRAD]:.3f})  ' if WGRAD in t else ''}top5 {[(k, round(v, 4)) for v, k in top]}", flush=True)
         else:
             print(f"{shape:>12} BT={BT:<5} {mode} triton {bt:.4f}  no ping-pong schedule ran: {row['ms']}", flush=True)
         res["rows"].append(row)

@@ -1,0 +1,22 @@
+#!/bin/bash
+# One device call (~5 minutes on a Hopper machine): do 128x128 ping-pong tiles (one warpgroup per consumer, a 128-row
+# accumulator; one tile's W/states in shared memory, `state_slots=1`) hide the AdamW epilogue under the other
+# consumer's mainloop at large BT, where the Triton 128x256 tile runs its epilogue after its mainloop (BT=8192:
+# 1.20-1.37x cuBLAS's wgrad alone on an H100, NOTES thirty-fifth session)? Every schedule's bytes are checked against
+# the Triton reference tile first (pp_sweep.py --check-bits), and cuBLAS's dY.t() @ X is timed in each row (--wgrad).
+#   bash benchmarks/pp_large_bt.sh OUTDIR
+set -u
+OUTD=$(realpath -m "${1:-${OUT:-/tmp/pp-large-bt}}")
+source "$(dirname "$0")/device_preamble.sh" "$OUTD"
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+C128="BM=128,BN=128,epi_n=8,stages=4,state_slots=1;BM=128,BN=128,epi_n=8,stages=4,state_slots=1,group_size=16"
+C128="$C128;BM=128,BN=128,epi_n=16,stages=4,state_slots=1;BM=128,BN=128,epi_n=4,stages=4,state_slots=1"
+C128="$C128;BM=128,BN=128,BK=32,epi_n=8,stages=8,state_slots=1"
+CONFIGS=${CONFIGS:-"$C128;BN=128,epi_n=4,stages=5,group_size=16"}
+mkdir -p "$OUTD/bt8192" "$OUTD/bt2048"
+OUT="$OUTD/bt8192" timeout ${SWEEP_BUDGET:-330} python3 benchmarks/pp_sweep.py \
+  --shapes ${SHAPES:-14336x4096,4096x14336,4096x4096,1024x4096,128256x4096} --bts ${BTS:-8192} --configs "$CONFIGS" \
+  --check-bits --wgrad 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUTD/bt8192/sweep.log" | grep -E "BT=|wrote"
+OUT="$OUTD/bt2048" timeout ${SWEEP2_BUDGET:-150} python3 benchmarks/pp_sweep.py \
+  --shapes ${SHAPES2:-14336x4096,4096x14336} --bts ${BTS2:-2048,4096} --configs "$CONFIGS" \
+  --check-bits --wgrad 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUTD/bt2048/sweep.log" | grep -E "BT=|wrote"
