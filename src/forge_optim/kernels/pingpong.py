@@ -185,7 +185,12 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         rn = gl.arange(0, SN, layout=gl.SliceLayout(0, SL))
         for i in gl.static_range(EPI_N):
             cols = i * SN + rn
-            hoff = (rm[:, None] * N + cols[None, :]).to(gl.uint32) + base
+            if BM > 64:
+                # the same offsets (mod 2**32), formed per tile: with a 128-row accumulator, the hoisted
+                # tile-invariant rm * N + cols of every slice spilled (900 B at 128x128, NOTES thirty-sixth session)
+                hoff = (row0 + rm).to(gl.uint32)[:, None] * N.to(gl.uint32) + (col0 + cols).to(gl.uint32)[None, :]
+            else:
+                hoff = (rm[:, None] * N + cols[None, :]).to(gl.uint32) + base
             # in range: only for the non-finite count (outside, a zero X column times an infinite
             # dY entry gives NaN, which must not be counted)
             inb = ((row0 + rm) < M)[:, None] & ((col0 + cols) < N)[None, :]
