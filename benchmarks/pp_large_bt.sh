@@ -10,7 +10,7 @@ OUTD=$(realpath -m "${1:-${OUT:-/tmp/pp-large-bt}}")
 source "$(dirname "$0")/device_preamble.sh" "$OUTD"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 C128="BM=128,BN=128,epi_n=8,stages=4,state_slots=1;BM=128,BN=128,epi_n=8,stages=4,state_slots=1,group_size=16"
-C128="$C128;BM=128,BN=128,epi_n=16,stages=4,state_slots=1;BM=128,BN=128,epi_n=4,stages=4,state_slots=1"
+C128="$C128;BM=128,BN=128,epi_n=16,stages=4,state_slots=1"
 C128="$C128;BM=128,BN=128,BK=32,epi_n=8,stages=8,state_slots=1"
 CONFIGS=${CONFIGS:-"$C128;BN=128,epi_n=4,stages=5,group_size=16"}
 mkdir -p "$OUTD/bt8192" "$OUTD/bt2048"
