@@ -28,7 +28,9 @@ CPU_CONFIGS = [PP.PingPongConfig(BN=64, epi_n=2, stages=6),
                # three and four tiles' W/states in shared memory (a slot is used by both consumers in turn)
                PP.PingPongConfig(BN=128, epi_n=4, stages=3, group_size=16, state_slots=3),  # tabled: lm_head BT=256
                PP.PingPongConfig(BN=64, epi_n=2, stages=6, state_slots=4),
-               PP.PingPongConfig(BN=64, epi_n=2, stages=5, state_slots=5)]  # tabled at BT=256 (H100)
+               PP.PingPongConfig(BN=64, epi_n=2, stages=5, state_slots=5),  # tabled at BT=256 (H100)
+               # a 128-row accumulator per consumer and one tile's W/states in shared memory (large BT)
+               PP.PingPongConfig(BM=128, BN=128, epi_n=8, stages=4, state_slots=1)]
 
 
 def test_table_form_round_trips_and_names_the_kernel():
@@ -66,6 +68,8 @@ def test_fit_config_shrinks_until_shared_memory_fits():
     slots = PP.fit_config(PP.PingPongConfig(BN=128, epi_n=4, stages=5, state_slots=4), 2, 4)
     assert (slots.stages, slots.state_slots, slots.BN) == (2, 3, 128)  # stages first, then slots, then width
     assert slots.smem_bytes(2, 4) <= PP.SMEM_LIMIT
+    one = PP.PingPongConfig(BM=128, BN=128, epi_n=8, stages=4, state_slots=1)  # 225 KB: fits as is
+    assert PP.fit_config(one, 2, 4) == one and one.smem_bytes(2, 4) <= PP.SMEM_LIMIT
     two = PP.PingPongConfig(BN=64, epi_n=2, stages=3, progs_per_sm=2)
     assert PP.fit_config(two, 4, 8) is None  # two programs per SM cannot hold fp32 W and states
 
