@@ -176,6 +176,14 @@ def _consume(cid: gl.constexpr, dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_de
         # (G = 0 there: finite, not counted) and the stores are clipped, so no masks.
         j = 2 * n_done + cid  # this program's local tile index
         slot = j % SLOTS
+        if SLOTS == 1:
+            # One slot: tile j's load is issued only once tile j-1 (the other consumer's) has been stored, and
+            # this consumer's mainloop can end before tile j-1's load has landed: the parity wait below would
+            # then see that load's predecessor (tile j-2's) as tile j's. Waiting for tile j-1's release first
+            # (st_empty's phase j-1: at most one behind, since this consumer released tile j-2) rules that out
+            # and costs nothing, since tile j's load cannot start before that release anyway.
+            if j > 0:
+                mbarrier.wait(st_empty.index(0), (j - 1) & 1)
         mbarrier.wait(st_ready.index(slot), (j // SLOTS) & 1)
         row0 = pid_m * BM
         col0 = pid_n * BN
