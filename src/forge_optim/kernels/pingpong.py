@@ -412,7 +412,7 @@ def forge_pingpong_kernel(
 
 @dataclass(frozen=True)
 class PingPongConfig:
-    BM: int = 64  # rows of a consumer's tile (one warpgroup's wgmma covers 64 rows)
+    BM: int = 64  # rows of a consumer's tile (one wgmma covers 64 rows; 128: two per K step, 128 accumulator registers)
     BN: int = 64  # 64x128 tiles ran 2-2.5x slower per element on the H200 (NOTES.md)
     BK: int = 64
     stages: int = 6  # dY/X ring depth in shared memory
@@ -422,7 +422,8 @@ class PingPongConfig:
     progs_per_sm: int = 1  # 2: two programs per SM (more warps to hide the epilogue's ALU latency)
     maxnreg: int = 0  # register cap per thread of the whole program (needed for 2 programs per SM)
     # tiles whose W and states are in shared memory at once. 2: one per consumer, so a consumer's next
-    # tile is loaded only after its last one is stored; 3-4 start those loads a tile or two earlier
+    # tile is loaded only after its last one is stored; 3-4 start those loads a tile or two earlier;
+    # 1: a tile's are loaded once the previous tile is stored (a bf16 128x128 tile's take 96 KB)
     state_slots: int = 2
 
     def short(self) -> str:
