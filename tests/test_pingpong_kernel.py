@@ -130,6 +130,17 @@ def _adamw_views(m, v):
     return (StateView(StateSpec("exp_avg", 0), m), StateView(StateSpec("exp_avg_sq", 1, nonnegative=True), v), None)
 
 
+def _adamw_inputs(M, N, BT, seed, dtype=torch.bfloat16):
+    """bf16 dY [BT, M] and X [BT, N], and W, m, v [M, N] in ``dtype``, drawn in that order from ``seed``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
+    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
+    W0 = (torch.randn(M, N, device="cuda", generator=g) * 0.02).to(dtype)
+    m0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).to(dtype)
+    v0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).square().to(dtype)
+    return dy, x, W0, m0, v0
+
+
 def _run_both(W0, m0, v0, dy, x, cfg, sr, nonfinite):
     from forge_optim.kernels import launch as L
     from forge_optim.rules import RULES
@@ -158,12 +169,7 @@ def _run_both(W0, m0, v0, dy, x, cfg, sr, nonfinite):
 @pytest.mark.parametrize("cfg", CPU_CONFIGS, ids=lambda c: c.short())
 def test_gpu_pingpong_writes_the_triton_kernels_bits(shape, cfg):
     M, N, BT = shape
-    g = torch.Generator(device="cuda").manual_seed(M + BT)
-    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
-    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
-    W0 = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
-    m0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).bfloat16()
-    v0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).square().bfloat16()
+    dy, x, W0, m0, v0 = _adamw_inputs(M, N, BT, M + BT)
     out = _run_both(W0, m0, v0, dy, x, cfg, sr=True, nonfinite=True)
     for a, b in zip(out["pingpong"][:3], out["triton"][:3]):
         # the same wgmma K-order, the same hash: bit for bit
@@ -179,13 +185,7 @@ def test_gpu_one_state_slot_holds_with_mainloops_shorter_than_a_state_load(bt):
     been stored and the next tile's W/states have landed: the consumer must still read its own tile's (the
     parity wait alone would take the previous tile's load for its own). 8 tiles per program at 4096x4096."""
     cfg = next(c for c in CPU_CONFIGS if c.state_slots == 1)
-    g = torch.Generator(device="cuda").manual_seed(bt)
-    M = N = 4096
-    dy = torch.randn(bt, M, device="cuda", generator=g).bfloat16()
-    x = torch.randn(bt, N, device="cuda", generator=g).bfloat16()
-    W0 = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
-    m0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).bfloat16()
-    v0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).square().bfloat16()
+    dy, x, W0, m0, v0 = _adamw_inputs(4096, 4096, bt, bt)
     for _ in range(3):  # a race shows on some launches only
         out = _run_both(W0, m0, v0, dy, x, cfg, sr=True, nonfinite=True)
         for a, b in zip(out["pingpong"][:3], out["triton"][:3]):
@@ -196,12 +196,7 @@ def test_gpu_one_state_slot_holds_with_mainloops_shorter_than_a_state_load(bt):
 @pytest.mark.skipif(not _hopper(), reason="the ping-pong kernel needs Hopper (sm_90)")
 def test_gpu_pingpong_fp32_state_equals_triton_kernel():
     M, N, BT = 1000, 3008, 515
-    g = torch.Generator(device="cuda").manual_seed(5)
-    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
-    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
-    W0 = torch.randn(M, N, device="cuda", generator=g) * 0.02
-    m0 = torch.randn(M, N, device="cuda", generator=g) * 1e-2
-    v0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).square()
+    dy, x, W0, m0, v0 = _adamw_inputs(M, N, BT, 5, torch.float32)
     out = _run_both(W0, m0, v0, dy, x, PP.DEFAULT_CONFIG, sr=False, nonfinite=False)
     for a, b in zip(out["pingpong"][:3], out["triton"][:3]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -211,13 +206,8 @@ def test_gpu_pingpong_fp32_state_equals_triton_kernel():
 @pytest.mark.skipif(not _hopper(), reason="the ping-pong kernel needs Hopper (sm_90)")
 def test_gpu_pingpong_nonfinite_count_and_guard():
     M, N, BT = 1000, 3008, 515  # ragged: zero-padded X columns times an infinite dY entry give NaN
-    g = torch.Generator(device="cuda").manual_seed(9)
-    dy = torch.randn(BT, M, device="cuda", generator=g).bfloat16()
+    dy, x, W0, m0, v0 = _adamw_inputs(M, N, BT, 9)
     dy[BT // 2, 333] = float("inf")
-    x = torch.randn(BT, N, device="cuda", generator=g).bfloat16()
-    W0 = (torch.randn(M, N, device="cuda", generator=g) * 0.02).bfloat16()
-    m0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).bfloat16()
-    v0 = (torch.randn(M, N, device="cuda", generator=g) * 1e-2).square().bfloat16()
     for cfg in CPU_CONFIGS:
         out = _run_both(W0, m0, v0, dy, x, cfg, sr=True, nonfinite=True)
         W, m, v, count = out["pingpong"]
