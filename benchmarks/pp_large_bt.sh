@@ -13,10 +13,10 @@ C128="BM=128,BN=128,epi_n=8,stages=4,state_slots=1;BM=128,BN=128,epi_n=8,stages=
 C128="$C128;BM=128,BN=128,epi_n=16,stages=4,state_slots=1"
 C128="$C128;BM=128,BN=128,BK=32,epi_n=8,stages=8,state_slots=1"
 CONFIGS=${CONFIGS:-"$C128;BN=128,epi_n=4,stages=5,group_size=16"}
-mkdir -p "$OUTD/bt8192" "$OUTD/bt2048"
-OUT="$OUTD/bt8192" timeout ${SWEEP_BUDGET:-330} python3 benchmarks/pp_sweep.py \
-  --shapes ${SHAPES:-14336x4096,4096x14336,4096x4096,1024x4096,128256x4096} --bts ${BTS:-8192} --configs "$CONFIGS" \
-  --check-bits --wgrad 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUTD/bt8192/sweep.log" | grep -E "BT=|wrote"
-OUT="$OUTD/bt2048" timeout ${SWEEP2_BUDGET:-150} python3 benchmarks/pp_sweep.py \
-  --shapes ${SHAPES2:-14336x4096,4096x14336} --bts ${BTS2:-2048,4096} --configs "$CONFIGS" \
-  --check-bits --wgrad 2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUTD/bt2048/sweep.log" | grep -E "BT=|wrote"
+sweep() {  # DIR BUDGET SHAPES BTS: pp_sweep.py into $OUTD/DIR (pp_sweep.json, sweep.log)
+  mkdir -p "$OUTD/$1"
+  OUT="$OUTD/$1" timeout $2 python3 benchmarks/pp_sweep.py --shapes $3 --bts $4 --configs "$CONFIGS" --check-bits --wgrad \
+    2>&1 | grep -v "Warning\|warnings.warn" | tee "$OUTD/$1/sweep.log" | grep -E "BT=|wrote"
+}
+sweep bt8192 ${SWEEP_BUDGET:-330} ${SHAPES:-14336x4096,4096x14336,4096x4096,1024x4096,128256x4096} ${BTS:-8192}
+sweep bt2048-4096 ${SWEEP2_BUDGET:-150} ${SHAPES2:-14336x4096,4096x14336} ${BTS2:-2048,4096}
