@@ -51,6 +51,9 @@ from .launch import _capability, _i32, _sm_count, state_kind
 # the same GROUP_SIZE swizzle as the Triton kernel (a @triton.jit function: Gluon can call it)
 _tile_coords = fused._tile_coords
 
+# The partitions below synchronize only through mbarrier parity waits. tests/test_pingpong_protocol.py writes
+# their waits and arrivals out again and checks every interleaving on CPU (no race, no deadlock): change both.
+
 
 @gluon.jit
 def _operand_loader(dy_desc, x_desc, w_desc, s0_desc, s1_desc, s2_desc, a_bufs, b_bufs, w_bufs, s0_bufs, s1_bufs, s2_bufs,
