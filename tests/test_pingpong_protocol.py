@@ -17,7 +17,13 @@ CPU interpreter, so this file models the protocol instead:
   into a buffer that is still being read or written, and any deadlock.
 """
 
+import ast
+import re
+from pathlib import Path
+
 import pytest
+
+PINGPONG = Path(__file__).resolve().parents[1] / "src" / "forge_optim" / "kernels" / "pingpong.py"
 
 
 def programs(T, K, STAGES, SLOTS, *, one_slot_release_wait=True, order_barrier=True):
@@ -159,3 +165,27 @@ def test_checker_reports_a_deadlock():
     parts[1] = [("wait", ("st_empty", 0), 0)] + parts[1]  # waits for a release that needs its own load first
     with pytest.raises(ProtocolError, match="deadlock"):
         explore(parts)
+
+
+# The kernel's barrier calls, per partition, in source order, as ``programs`` transcribes them. A change to a
+# wait, an arrival or an expect in pingpong.py fails the test below until the model and this list follow it.
+KERNEL_SYNC = {
+    "_operand_loader": ["wait(empty.index(s), ph ^ 1)", "expect(ready.index(s), nbytes)"],
+    "_state_loader": ["wait(st_empty.index(slot), ((j // SLOTS) & 1) ^ 1)", "expect(bar, ST_BYTES)"],
+    "_consume": ["wait(order.index(0), (n_done - 1) & 1)", "wait(order.index(1), n_done & 1)",
+                 "wait(ready.index(s), ph)", "arrive(empty.index(prev_s), count=1)",
+                 "arrive(empty.index(prev_s), count=1)", "arrive(order.index(1 - cid), count=1)",
+                 "wait(st_empty.index(0), (j - 1) & 1)", "wait(st_ready.index(slot), (j // SLOTS) & 1)",
+                 "arrive(st_empty.index(slot), count=1)"],
+}
+
+
+def test_the_model_transcribes_the_kernels_barrier_calls():
+    src = PINGPONG.read_text()
+    found = {}
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.FunctionDef) and node.name in KERNEL_SYNC:
+            body = ast.get_source_segment(src, node)
+            found[node.name] = [m.group(1) for m in re.finditer(r"mbarrier\.((?:wait|arrive|expect)\(.*\))", body)]
+    assert found == KERNEL_SYNC, ("pingpong.py's mbarrier calls changed: update programs() in "
+                                  "tests/test_pingpong_protocol.py to match, then KERNEL_SYNC")
