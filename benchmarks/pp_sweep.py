@@ -172,9 +172,11 @@ def main():
             if WGRAD in t:
                 row.update(pp_over_wgrad=t[bp_name] / t[WGRAD], triton_over_wgrad=bt / t[WGRAD])
             top = sorted((v, k) for k, v in t.items())[:5]
+            vs_wgrad = (f"vs wgrad {row['pp_over_wgrad']:.3f} (triton {row['triton_over_wgrad']:.3f})  "
+                        if WGRAD in t else "")
             print(f"{shape:>12} BT={BT:<5} {mode} triton {bt:.4f}  best pp {t[bp_name]:.4f} ({bp_name})  "
-                  f"ratio {t[bp_name] / bt:.3f}  "
-                  f"{f'vs wgrad {t[bp_name] / t[WGRAD]:.3f} (triton {bt / t[WGRAD]:.3f})  ' if WGRAD in t else ''}top5 {[(k, round(v, 4)) for v, k in top]}", flush=True)
+                  f"ratio {row['pp_over_triton']:.3f}  {vs_wgrad}top5 {[(k, round(v, 4)) for v, k in top]}",
+                  flush=True)
         else:
             print(f"{shape:>12} BT={BT:<5} {mode} triton {bt:.4f}  no ping-pong schedule ran: {row['ms']}", flush=True)
         res["rows"].append(row)
